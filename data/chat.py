@@ -68,7 +68,7 @@ def user_header(tokenizer, system_prompt: str | None = None) -> str:
     return text[:at]
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer, text: str) -> list[int]:
     # The template already wrote BOS and every other special token as text; add nothing.
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
@@ -129,15 +129,15 @@ def tokenize_conversation(
     mask: list[int] = []
     pos = 0
     for i, start, end in assistant_spans(tokenizer, messages, full):
-        head = _encode(tokenizer, full[pos:start])
+        head = encode_text(tokenizer, full[pos:start])
         ids += head
         mask += [0] * len(head)
         given = messages[i].get("token_ids")
-        body = list(given) + [eot_id] if given is not None else _encode(tokenizer, full[start:end])
+        body = list(given) + [eot_id] if given is not None else encode_text(tokenizer, full[start:end])
         ids += body
         mask += [1] * len(body)
         pos = end
-    tail = _encode(tokenizer, full[pos:])
+    tail = encode_text(tokenizer, full[pos:])
     ids += tail
     mask += [0] * len(tail)
     return Tokenized(ids, mask)

@@ -1,0 +1,35 @@
+"""Shared fixtures: a tiny random Llama target (tokenizer + model + saved HF dir), built once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def tiny_tok():
+    from pipeline.tiny import tiny_tokenizer
+
+    return tiny_tokenizer(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """A saved tiny target directory, usable as `model.target`."""
+    from pipeline.tiny import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-target"), seed=0, num_layers=2, hidden_size=64)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    # hash cache and HF caches stay inside the test's tmp dir
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
