@@ -52,7 +52,7 @@ class HFGenerator:
 
     name = "hf"
 
-    def __init__(self, model, pad_id: int, stop_ids: Sequence[int], batch_size: int = 16, progress: bool = True):
+    def __init__(self, model, pad_id: int, stop_ids: Sequence[int], batch_size: int = 16, progress: bool = False):
         self.model = model
         self.pad_id = pad_id
         self.stop_ids = list(stop_ids)

@@ -103,6 +103,8 @@ class SynthConfig(Section):
     """Reject a prompt whose repeated word 3-grams exceed this fraction of its 3-grams (degenerate loops)."""
     system_prompt: str | None = None
     """System message placed before the user header while synthesizing (None: the template's default)."""
+    round_size: int = Field(64, ge=1)
+    """Candidates sampled per synthesis round (one resumable unit of work)."""
     max_rounds: int = Field(200, ge=1)
     """Give up (with an error) after this many generation rounds without reaching the requested count."""
 

@@ -15,11 +15,13 @@ import copy
 import hashlib
 import json
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from accelerate import PartialState
+from tqdm.auto import tqdm
 
 from data.artifacts import (
     ArtifactError, atomic_write_text, check_same_target, read_records, write_manifest, write_records,
@@ -96,6 +98,7 @@ def answer_conversations(
             msg["token_ids"] = comp.token_ids
             msg["finish_reason"] = comp.finish_reason
             counts[f"finish_{comp.finish_reason}"] += 1
+            counts["generated_tokens"] += len(comp.token_ids)
         turn += 1
     return [c for c, ok in zip(work, alive) if ok]
 
@@ -116,6 +119,7 @@ def synthesize_prompts(gen: Generator, tok, cfg: RunConfig, synth_dir: Path, sta
     filt = PromptFilter(tok.get_added_vocab().keys(), s.min_chars, s.max_repeat_fraction)
     accepted: list[str] = []
     first = 0
+    bar = tqdm(total=g.synthesize, desc="synthesize prompts", unit="prompt", disable=not state.is_local_main_process)
     while len(accepted) < g.synthesize:
         if first >= s.max_rounds:
             raise StageError(
@@ -125,7 +129,7 @@ def synthesize_prompts(gen: Generator, tok, cfg: RunConfig, synth_dir: Path, sta
         mine = first + state.process_index
         path = synth_dir / f"round-{mine:05d}.jsonl"
         if mine < s.max_rounds and not path.exists():
-            comps = gen.generate([header] * g.chunk_size, sampling, seed=derive_seed(g.seed, "synth", mine))
+            comps = gen.generate([header] * s.round_size, sampling, seed=derive_seed(g.seed, "synth", mine))
             lines = [
                 json.dumps({"text": tok.decode(c.token_ids, skip_special_tokens=False), "finished": c.finish_reason == "stop"})
                 for c in comps
@@ -137,7 +141,9 @@ def synthesize_prompts(gen: Generator, tok, cfg: RunConfig, synth_dir: Path, sta
                 cand = json.loads(line)
                 if filt(cand["text"], cand["finished"]) and len(accepted) < g.synthesize:
                     accepted.append(cand["text"].strip())
+                    bar.update(1)
         first += state.num_processes
+    bar.close()
     convs = []
     for i, text in enumerate(accepted):
         messages = [{"role": "user", "content": text}, {"role": "assistant", "content": None}]
@@ -195,7 +201,7 @@ def make_generator(cfg: RunConfig, tok, state: PartialState) -> tuple[Generator,
         return VLLMGenerator(spec.location, stops, dtype=dtype, revision=spec.revision, seed=cfg.generate.seed), None
     model = load_model(cfg.model, spec, device)
     stops = stop_token_ids(tok, model)
-    gen = HFGenerator(model, tok.pad_token_id, stops, cfg.generate.batch_size, progress=state.is_local_main_process)
+    gen = HFGenerator(model, tok.pad_token_id, stops, cfg.generate.batch_size, progress=False)
     return gen, model
 
 
@@ -250,10 +256,9 @@ def run_generate(cfg: RunConfig) -> Path:
     todo = [k for k in mine if not (chunks_dir / f"chunk-{k:05d}.json").is_file()]
     if len(todo) < len(mine):
         log.info("generate: resuming, %d of this rank's %d chunks already done", len(mine) - len(todo), len(mine))
-    from tqdm.auto import tqdm
-
-    for k in tqdm(todo, desc=f"generate chunks (rank {state.process_index})", unit="chunk",
-                  disable=not state.is_local_main_process):
+    bar = tqdm(todo, desc=f"generate (rank {state.process_index})", unit="chunk", disable=not state.is_local_main_process)
+    started, new_tokens = time.perf_counter(), 0
+    for k in bar:
         chunk = convs[k * g.chunk_size : (k + 1) * g.chunk_size]
         counts: Counter = Counter()
         answered = answer_conversations(gen, tok, chunk, sampling, derive_seed(g.seed, "chunk", k), cfg.data.max_length, counts)
@@ -265,6 +270,8 @@ def run_generate(cfg: RunConfig) -> Path:
         counts["conversations"] += len(chunk)
         counts["records"] += len(records)
         write_chunk(chunks_dir, k, records, counts)
+        new_tokens += counts["generated_tokens"]
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.1f}")
 
     state.wait_for_everyone()
     if state.is_main_process:
@@ -293,10 +300,9 @@ def finalize(out: Path, n_chunks: int, plan: dict[str, Any], synth_counts: Count
             shards.append(info["shard"] | {"file": f"chunks/{info['shard']['file']}"})
     if totals["records"] == 0:
         raise StageError(f"generation produced no usable record (counts: {dict(totals)})")
-    rows = {"answers": dict(totals)}
+    console.print(counts_table(f"generate -> {out}", {"answers": dict(totals)}))
     if synth_counts:
-        rows["synthesis"] = dict(synth_counts)
-    console.print(counts_table(f"generate -> {out}", rows))
+        console.print(counts_table("self-synthesized prompts", {"candidates": dict(synth_counts)}))
     write_manifest(
         out,
         "generated",

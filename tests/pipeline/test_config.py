@@ -1,0 +1,86 @@
+"""Config loading: YAML + dotted overrides, and errors that name the key and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, RunConfig, load_config, save_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_shipped_recipe_loads():
+    recipes = sorted((REPO / "configs").glob("*.yaml"))
+    assert recipes, "configs/ has no recipe"
+    for path in recipes:
+        cfg = load_config(path)
+        assert cfg.name == yaml.safe_load(path.read_text()).get("name", path.stem)
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {target: smollm2-135m-instruct}\ngenerate: {temperature: 0.0}\n")
+    cfg = load_config(path, ["generate.temperature=0.7", "generate.synth.min_chars=5", "data.sources=[{builtin: mtbench}]",
+                             "collect.aux_layer_ids=[1,2,3]"])
+    assert cfg.generate.temperature == 0.7
+    assert cfg.generate.synth.min_chars == 5
+    assert cfg.data.sources[0].builtin == "mtbench"
+    assert cfg.collect.aux_layer_ids == [1, 2, 3]
+    assert cfg.name == "r"  # defaults to the file stem
+    assert cfg.run_path == Path("runs/r")
+
+
+@pytest.mark.parametrize(
+    "override, needles",
+    [
+        ("generate.temprature=1", ["generate.temprature", "temperature", "top_p"]),  # typo: allowed keys listed
+        ("generate.temperature=hot", ["generate.temperature", "valid number", "'hot'"]),
+        ("generate.temperature=-1", ["generate.temperature", "greater than or equal to 0"]),
+        ("data.overlong=drop", ["data.overlong", "'truncate' or 'skip'"]),
+        ("data.sources=[{builtin: mtbench, path: x.jsonl}]", ["data.sources.0", "exactly one of builtin / path / hf"]),
+        ("data.sources=[{builtn: mtbench}]", ["data.sources.0.builtn", "builtin", "domain_field"]),
+        ("bogus.key=1", ["'bogus'", "allowed here", "generate"]),
+        ("model.dtype=fp8", ["model.dtype", "bfloat16"]),
+    ],
+)
+def test_errors_name_the_key_and_what_is_allowed(override, needles):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    msg = str(info.value)
+    for needle in needles:
+        assert needle in msg, f"{needle!r} missing from: {msg}"
+
+
+def test_malformed_overrides_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(None, ["generate.temperature"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+    bad.write_text("generate: {temperature: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["generate.temperature=0.5", "data.sources=[{path: a.jsonl, schema: conversations}]"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again.dump() == cfg.dump()
+    assert again.data.sources[0].schema_ == "conversations"
+
+
+def test_every_field_is_documented():
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{prefix}{name} has no docstring"
+            ann = field.annotation
+            for sub in [ann, *getattr(ann, "__args__", ())]:
+                if isinstance(sub, type) and hasattr(sub, "model_fields"):
+                    walk(sub, f"{prefix}{name}.")
+
+    walk(RunConfig)
