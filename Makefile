@@ -30,7 +30,7 @@ demo: $(STAMP)
 	@exit 2
 
 bench: $(STAMP)
-	$(PY) benchmarks/generate_throughput.py
+	$(PY) launch/bench_generate.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     expected = (ConfigError, ArtifactError, ChatTemplateError, SourceError, StageError, TargetError)
     try:
         cfg = load_config(args.config, args.overrides)
-        from accelerate import PartialState
+        from pipeline.dist import dist_state
 
-        if PartialState().is_main_process:
+        if dist_state().is_main_process:
             save_config(cfg, cfg.run_path / "config.yaml")
         _stage(args.stage)(cfg)
     except expected as exc:

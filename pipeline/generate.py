@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from accelerate import PartialState
+
+from pipeline.dist import dist_state
 from tqdm.auto import tqdm
 
 from data.artifacts import (
@@ -206,7 +208,7 @@ def make_generator(cfg: RunConfig, tok, state: PartialState) -> tuple[Generator,
 
 
 def run_generate(cfg: RunConfig) -> Path:
-    state = PartialState()
+    state = dist_state()
     g = cfg.generate
     out = cfg.run_path / "generated"
     chunks_dir = out / "chunks"

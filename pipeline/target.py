@@ -158,9 +158,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         # Under accelerate/torchrun each rank gets its own GPU (cuda:LOCAL_RANK); on CPU all share "cpu".
-        from accelerate import PartialState
+        from pipeline.dist import dist_state
 
-        return PartialState().device
+        return dist_state().device
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise TargetError(f"model.device={name!r} but CUDA is not available on this machine")

@@ -294,6 +294,18 @@ def _assistant_turns(messages) -> list[tuple[int, dict[str, Any], bool]]:
     return [(i, m, i == len(messages) - 1) for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
+def _xfail_known_bugs(request, fam: Family, msgs) -> None:
+    """Mark the cases hit by the library bug described in test_qwen3_final_turn_leading_newline (strict)."""
+    if fam.name == "qwen3" and msgs[-1]["role"] == "assistant" and msgs[-1]["content"].startswith("\n"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=QWEN3_LEADING_NEWLINE_BUG))
+
+
+QWEN3_LEADING_NEWLINE_BUG = (
+    "data/chat.py assistant_spans: for Qwen3's final turn the raw content '\\n...' is found inside the "
+    "template's '</think>\\n\\n', so the mask also covers template newlines (and token_ids drop them)"
+)
+
+
 # ------------------------------------------------------------------------------------------ tests
 
 
@@ -323,8 +335,9 @@ def test_input_ids_decode_to_rendered_text(fam, key):
 
 
 @pytest.mark.parametrize("key", list(CONVERSATIONS))
-def test_masked_runs_are_exactly_the_assistant_turns(fam, key):
+def test_masked_runs_are_exactly_the_assistant_turns(fam, key, request):
     msgs = _conversation(key)
+    _xfail_known_bugs(request, fam, msgs)
     tok = fam.tok
     eot_id = tok.convert_tokens_to_ids(fam.eot)
     out = tokenize_conversation(tok, msgs)
@@ -352,9 +365,10 @@ def test_masked_runs_are_exactly_the_assistant_turns(fam, key):
 
 
 @pytest.mark.parametrize("key", list(CONVERSATIONS))
-def test_text_before_each_turn_is_the_generation_prompt(fam, key):
+def test_text_before_each_turn_is_the_generation_prompt(fam, key, request):
     """The unmasked text right before each masked run ends with the generation prompt (+ Qwen3's empty think)."""
     msgs = _conversation(key)
+    _xfail_known_bugs(request, fam, msgs)
     tok = fam.tok
     out = tokenize_conversation(tok, msgs)
     runs = _runs(out.loss_mask)
@@ -366,29 +380,30 @@ def test_text_before_each_turn_is_the_generation_prompt(fam, key):
 
 
 @pytest.mark.parametrize("key", list(CONVERSATIONS))
-def test_prompt_ids_prefix(fam, key):
-    """prompt_ids of the messages before an assistant turn are a prefix of the whole sequence.
+def test_prompt_ids_prefix(fam, key, request):
+    """prompt_ids of the messages before each assistant turn are a prefix of the whole sequence.
 
-    All four families render a conversation's prefixes consistently for plain-text conversations: the
-    generation prompt is exactly the text the full render has before the assistant content. Qwen3 is a
-    partial exception: its final assistant turn gets "<think>\\n\\n</think>\\n\\n" after the generation
-    prompt (in the full render, unmasked), and its earlier turns would lose their think blocks if they had
-    reasoning -- so for Qwen3 only the final turn is checked, the one a generation prompt is made for.
+    For plain-text conversations all these templates render prefixes consistently: the generation prompt
+    is exactly the text the full render has before that turn's content. Qwen3 included, for every turn:
+    its earlier assistant turns have no think block in the full render, and neither has the prompt; its
+    final turn has "<think>\\n\\n</think>\\n\\n" after the generation prompt, which the model writes
+    itself at inference (so that block must be in the sequence, unmasked, right after the prompt). What
+    would break Qwen3's consistency is history with reasoning: the template drops earlier turns' think
+    blocks, which the model did generate after those prompts -- not something plain-text messages have.
     """
     msgs = _conversation(key)
+    _xfail_known_bugs(request, fam, msgs)
     tok = fam.tok
-    full = tokenize_conversation(tok, msgs).input_ids
-    runs = _runs(tokenize_conversation(tok, msgs).loss_mask)
+    out = tokenize_conversation(tok, msgs)
+    runs = _runs(out.loss_mask)
     turns = _assistant_turns(msgs)
-    if fam.name == "qwen3":
-        turns, runs = turns[-1:], runs[-1:]
+    assert len(runs) == len(turns)
     for (start, _), (i, m, last) in zip(runs, turns):
         p = prompt_ids(tok, msgs[:i])
-        assert full[: len(p)] == p
-        # the prompt ends where the assistant's tokens start (Qwen3: where its empty think block starts)
-        pre = fam.pre_content(m["content"], last)
-        between = full[len(p) : start]
-        assert _decode(tok, between) == pre
+        assert out.input_ids[: len(p)] == p
+        assert len(p) <= start and out.loss_mask[len(p) - 1] == 0  # the turn's run starts after the prompt
+        # the prompt ends where the assistant's tokens start (Qwen3's final turn: where its think block starts)
+        assert _decode(tok, out.input_ids[len(p) : start]) == fam.pre_content(m["content"], last)
 
 
 def test_qwen3_final_think_block_is_not_masked():
@@ -569,3 +584,54 @@ def test_templates_render_the_family_formats():
     assert _make_family("mistral").tok.apply_chat_template(msgs[1:], tokenize=False) == (
         "<s>[INST] Hi  [/INST] Hello!\n</s>[INST] Bye [/INST]Bye.</s>"
     )
+
+
+# ------------------------------------------------------------------------------------------ known library bugs
+# Strict xfails: each one starts passing (and so fails as XPASS) once data/chat.py is fixed; drop the marker then.
+
+
+@pytest.mark.xfail(strict=True, reason=QWEN3_LEADING_NEWLINE_BUG)
+def test_qwen3_final_turn_leading_newline():
+    """Qwen3 lstrips '\\n' off the final turn's content, right after its own '</think>\\n\\n'.
+
+    assistant_spans tries the raw content first; '\\nA' is found inside '</think>\\n\\nA' (followed by the
+    end-of-turn token), so the masked run starts one template newline early. With token_ids the span's text
+    is replaced by the given ids, so that template newline is lost from the sequence altogether.
+    """
+    tok = _make_family("qwen3").tok
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "\nA"}]
+    full = tok.apply_chat_template(msgs, tokenize=False)
+    assert full == "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>\n"
+    out = tokenize_conversation(tok, msgs)
+    (start, end), = _runs(out.loss_mask)
+    assert _decode(tok, out.input_ids[start:end]) == "A<|im_end|>"  # actual: "\nA<|im_end|>"
+    msgs[1]["token_ids"] = tok("A", add_special_tokens=False)["input_ids"]
+    out = tokenize_conversation(tok, msgs)
+    assert _decode(tok, out.input_ids) == full  # actual: "...</think>\nA<|im_end|>\n" (a "\n" lost)
+
+
+@pytest.mark.xfail(strict=True, raises=ChatTemplateError, reason=(
+    "data/chat.py assistant_spans only looks at the first occurrence of the content after the generation "
+    "prompt; for Qwen3's final turn that can be inside '<think>\\n\\n</think>\\n\\n'"
+))
+@pytest.mark.parametrize("content", ["think", "k", ">", "\n"])
+def test_qwen3_final_turn_content_inside_think_block(content):
+    tok = _make_family("qwen3").tok
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": content}]
+    out = tokenize_conversation(tok, msgs)  # actual: ChatTemplateError "not rendered verbatim followed by"
+    (start, end), = _runs(out.loss_mask)
+    assert _decode(tok, out.input_ids[start:end]) == content.lstrip("\n") + "<|im_end|>"
+    assert _decode(tok, out.input_ids) == tok.apply_chat_template(msgs, tokenize=False)
+
+
+@pytest.mark.xfail(strict=True, raises=ChatTemplateError, reason=(
+    "data/chat.py assistant_spans skips the empty content.strip() variant of a non-empty content, so a "
+    "whitespace-only turn that |trim renders as '' is not found"
+))
+@pytest.mark.parametrize("content", ["  ", " \n"])
+def test_llama3_whitespace_only_turn(content):
+    tok = _make_family("llama3").tok
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": content}]
+    out = tokenize_conversation(tok, msgs)  # actual: ChatTemplateError
+    (start, end), = _runs(out.loss_mask)
+    assert _decode(tok, out.input_ids[start:end]) == "<|eot_id|>"
