@@ -80,34 +80,45 @@ class Tokenized:
     """1 where the token was written by the assistant (its content or its end-of-turn token)."""
 
 
-def assistant_spans(tokenizer, messages: Sequence[dict[str, Any]], full: str) -> list[tuple[int, int, int]]:
-    """(message index, start, end) character spans of each assistant content + end-of-turn token in `full`."""
+def assistant_spans(
+    tokenizer, messages: Sequence[dict[str, Any]], full: str, add_generation_prompt: bool = False
+) -> list[tuple[int, int, int]]:
+    """(message index, start, end) character spans of each assistant content + end-of-turn token in `full`.
+
+    Where a message's content starts is found by rendering the same conversation with that content replaced
+    by a sentinel: the text before the sentinel is exactly the text before the content. (Searching for the
+    content string instead can latch onto the same words in a user turn or in template text such as
+    Qwen3's `<think>` block.) Then the rendered form of the content is chosen among the transformations
+    templates apply (none, trim, strip leading newlines) as the one followed by the end-of-turn token.
+    """
     eot, _ = end_of_turn(tokenizer)
     spans = []
     cursor = 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        # The assistant text starts where the generation prompt of its prefix ends, when the template
-        # renders prefixes consistently; searching from there avoids matching the same words in a user turn.
-        prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
-        start = max(cursor, len(prefix) if full.startswith(prefix) else cursor)
+        probe = [{"role": x["role"], "content": x["content"]} for x in messages]
+        probe[i]["content"] = _SENTINEL
+        text = render(tokenizer, probe, add_generation_prompt=add_generation_prompt)
+        at = text.find(_SENTINEL)
+        if at < cursor or not full.startswith(text[:at]):
+            raise ChatTemplateError(
+                f"assistant message {i}: the chat template renders the text before it differently depending on "
+                f"its content, so its tokens cannot be located"
+            )
         content = m["content"]
-        found = -1
-        for variant in (content, content.strip(), content.lstrip("\n")):
-            if not variant and content:
-                continue
-            found = full.find(variant, start)
-            if found >= 0 and full.startswith(eot, found + len(variant)):
-                content = variant
-                break
-            found = -1
-        if found < 0:
+        variants = [content, content.strip(), content.lstrip("\n"), content.lstrip(), content.rstrip()]
+        rendered = next(
+            (v for v in dict.fromkeys(variants) if (v or not content.strip())
+             and full.startswith(v, at) and full.startswith(eot, at + len(v))),
+            None,
+        )
+        if rendered is None:
             raise ChatTemplateError(
                 f"assistant message {i} is not rendered verbatim followed by {eot!r} by the chat template"
             )
-        end = found + len(content) + len(eot)
-        spans.append((i, found, end))
+        end = at + len(rendered) + len(eot)
+        spans.append((i, at, end))
         cursor = end
     return spans
 
@@ -128,7 +139,7 @@ def tokenize_conversation(
     ids: list[int] = []
     mask: list[int] = []
     pos = 0
-    for i, start, end in assistant_spans(tokenizer, messages, full):
+    for i, start, end in assistant_spans(tokenizer, messages, full, add_generation_prompt):
         head = encode_text(tokenizer, full[pos:start])
         ids += head
         mask += [0] * len(head)

@@ -140,8 +140,10 @@ def synthesize_prompts(gen: Generator, tok, cfg: RunConfig, synth_dir: Path, sta
         state.wait_for_everyone()
         for r in range(first, min(first + state.num_processes, s.max_rounds)):
             for line in (synth_dir / f"round-{r:05d}.jsonl").read_text().splitlines():
+                if len(accepted) == g.synthesize:
+                    break  # candidates past the N-th accepted one are neither examined nor counted
                 cand = json.loads(line)
-                if filt(cand["text"], cand["finished"]) and len(accepted) < g.synthesize:
+                if filt(cand["text"], cand["finished"]):
                     accepted.append(cand["text"].strip())
                     bar.update(1)
         first += state.num_processes

@@ -294,16 +294,6 @@ def _assistant_turns(messages) -> list[tuple[int, dict[str, Any], bool]]:
     return [(i, m, i == len(messages) - 1) for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
-def _xfail_known_bugs(request, fam: Family, msgs) -> None:
-    """Mark the cases hit by the library bug described in test_qwen3_final_turn_leading_newline (strict)."""
-    if fam.name == "qwen3" and msgs[-1]["role"] == "assistant" and msgs[-1]["content"].startswith("\n"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=QWEN3_LEADING_NEWLINE_BUG))
-
-
-QWEN3_LEADING_NEWLINE_BUG = (
-    "data/chat.py assistant_spans: for Qwen3's final turn the raw content '\\n...' is found inside the "
-    "template's '</think>\\n\\n', so the mask also covers template newlines (and token_ids drop them)"
-)
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -337,7 +327,6 @@ def test_input_ids_decode_to_rendered_text(fam, key):
 @pytest.mark.parametrize("key", list(CONVERSATIONS))
 def test_masked_runs_are_exactly_the_assistant_turns(fam, key, request):
     msgs = _conversation(key)
-    _xfail_known_bugs(request, fam, msgs)
     tok = fam.tok
     eot_id = tok.convert_tokens_to_ids(fam.eot)
     out = tokenize_conversation(tok, msgs)
@@ -368,7 +357,6 @@ def test_masked_runs_are_exactly_the_assistant_turns(fam, key, request):
 def test_text_before_each_turn_is_the_generation_prompt(fam, key, request):
     """The unmasked text right before each masked run ends with the generation prompt (+ Qwen3's empty think)."""
     msgs = _conversation(key)
-    _xfail_known_bugs(request, fam, msgs)
     tok = fam.tok
     out = tokenize_conversation(tok, msgs)
     runs = _runs(out.loss_mask)
@@ -392,7 +380,6 @@ def test_prompt_ids_prefix(fam, key, request):
     blocks, which the model did generate after those prompts -- not something plain-text messages have.
     """
     msgs = _conversation(key)
-    _xfail_known_bugs(request, fam, msgs)
     tok = fam.tok
     out = tokenize_conversation(tok, msgs)
     runs = _runs(out.loss_mask)
@@ -586,13 +573,11 @@ def test_templates_render_the_family_formats():
     )
 
 
-# ------------------------------------------------------------------------------------------ known library bugs
-# Strict xfails: each one starts passing (and so fails as XPASS) once data/chat.py is fixed; drop the marker then.
+# ------------------------------------------------------------------ regressions (bugs found in assistant_spans)
 
 
-@pytest.mark.xfail(strict=True, reason=QWEN3_LEADING_NEWLINE_BUG)
 def test_qwen3_final_turn_leading_newline():
-    """Qwen3 lstrips '\\n' off the final turn's content, right after its own '</think>\\n\\n'.
+    """Regression: Qwen3 lstrips "\\n" off the final turn's content, right after its own "</think>\\n\\n".
 
     assistant_spans tries the raw content first; '\\nA' is found inside '</think>\\n\\nA' (followed by the
     end-of-turn token), so the masked run starts one template newline early. With token_ids the span's text
@@ -604,34 +589,26 @@ def test_qwen3_final_turn_leading_newline():
     assert full == "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>\n"
     out = tokenize_conversation(tok, msgs)
     (start, end), = _runs(out.loss_mask)
-    assert _decode(tok, out.input_ids[start:end]) == "A<|im_end|>"  # actual: "\nA<|im_end|>"
+    assert _decode(tok, out.input_ids[start:end]) == "A<|im_end|>"
     msgs[1]["token_ids"] = tok("A", add_special_tokens=False)["input_ids"]
     out = tokenize_conversation(tok, msgs)
-    assert _decode(tok, out.input_ids) == full  # actual: "...</think>\nA<|im_end|>\n" (a "\n" lost)
+    assert _decode(tok, out.input_ids) == full
 
 
-@pytest.mark.xfail(strict=True, raises=ChatTemplateError, reason=(
-    "data/chat.py assistant_spans only looks at the first occurrence of the content after the generation "
-    "prompt; for Qwen3's final turn that can be inside '<think>\\n\\n</think>\\n\\n'"
-))
 @pytest.mark.parametrize("content", ["think", "k", ">", "\n"])
 def test_qwen3_final_turn_content_inside_think_block(content):
     tok = _make_family("qwen3").tok
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": content}]
-    out = tokenize_conversation(tok, msgs)  # actual: ChatTemplateError "not rendered verbatim followed by"
+    out = tokenize_conversation(tok, msgs)
     (start, end), = _runs(out.loss_mask)
     assert _decode(tok, out.input_ids[start:end]) == content.lstrip("\n") + "<|im_end|>"
     assert _decode(tok, out.input_ids) == tok.apply_chat_template(msgs, tokenize=False)
 
 
-@pytest.mark.xfail(strict=True, raises=ChatTemplateError, reason=(
-    "data/chat.py assistant_spans skips the empty content.strip() variant of a non-empty content, so a "
-    "whitespace-only turn that |trim renders as '' is not found"
-))
 @pytest.mark.parametrize("content", ["  ", " \n"])
 def test_llama3_whitespace_only_turn(content):
     tok = _make_family("llama3").tok
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": content}]
-    out = tokenize_conversation(tok, msgs)  # actual: ChatTemplateError
+    out = tokenize_conversation(tok, msgs)
     (start, end), = _runs(out.loss_mask)
     assert _decode(tok, out.input_ids[start:end]) == "<|eot_id|>"
