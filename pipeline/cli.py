@@ -22,12 +22,17 @@ def _stage(name: str):
         from pipeline.generate import run_generate
 
         return run_generate
+    if name == "collect":
+        from pipeline.collect import run_collect
+
+        return run_collect
     raise KeyError(name)
 
 
 STAGES = {
     "prepare": "ingest datasets, apply the chat template, compute assistant loss masks, split train/holdout",
     "generate": "regenerate every assistant turn with the target (on-policy), optionally self-synthesizing prompts",
+    "collect": "run the target over the records and store its aux-layer and final hidden states (feature store)",
 }
 
 
@@ -43,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("config", help="YAML run recipe (see configs/)")
         p.add_argument("overrides", nargs="*", help="key.path=value overrides applied on top of the YAML")
+        if name == "collect":
+            p.add_argument("--verify", type=int, default=0, metavar="N",
+                           help="afterwards, recompute N random stored samples and fail above collect.verify_tolerance")
     return parser
 
 
@@ -62,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist_state().is_main_process:
             save_config(cfg, cfg.run_path / "config.yaml")
-        _stage(args.stage)(cfg)
+        extra = {"verify": args.verify} if args.stage == "collect" else {}
+        _stage(args.stage)(cfg, **extra)
     except expected as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2

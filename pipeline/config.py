@@ -134,10 +134,19 @@ class GenerateConfig(Section):
 
 class CollectConfig(Section):
     aux_layer_ids: list[int] | None = None
-    """HF `hidden_states` indices to capture (0 = embeddings, L = final normed output).
+    """HF `hidden_states` indices to capture (0 = embeddings, i = input of layer i, L = final normed output).
     None: EAGLE-3 default `[2, L//2, L-3]`."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Storage dtype of captured features."""
+    source: Literal["auto", "generated", "prepared"] = "auto"
+    """Records to run the target on: `generated` (on-policy), `prepared`, or `auto` (generated when present)."""
+    shard_tokens: int = Field(65536, ge=1)
+    """Tokens per store shard (samples are never split; one resumable unit of work)."""
+    batch_tokens: int = Field(8192, ge=1)
+    """Padded tokens per target forward while collecting."""
+    verify_tolerance: float = Field(0.02, gt=0.0)
+    """`--verify` fails when a stored tensor differs from a recomputation by more than this fraction of its
+    largest magnitude (bf16 storage rounds to ~0.4%)."""
 
 
 class TrainConfig(Section):

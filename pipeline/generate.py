@@ -35,6 +35,7 @@ from data.synthesis import PromptFilter
 from pipeline.config import RunConfig
 from pipeline.console import console, counts_table
 from pipeline.prepare import StageError
+from pipeline.resume import PlanMismatch, start_or_resume
 from pipeline.target import load_model, load_tokenizer, pick_device, resolve_target
 
 log = logging.getLogger(__name__)
@@ -175,17 +176,6 @@ def _plan(cfg: RunConfig, identity: dict[str, Any], chat_template: str, prepared
     }
 
 
-def _plan_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += _plan_diff(a, b, f"{prefix}{key}.")
-        elif a != b:
-            diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return diffs
-
-
 def make_generator(cfg: RunConfig, tok, state: PartialState) -> tuple[Generator, Any]:
     """(generator, model or None). vLLM is used on CUDA nodes where it is installed, unless told otherwise."""
     from data.vllm_backend import VLLMGenerator, vllm_available
@@ -231,20 +221,11 @@ def run_generate(cfg: RunConfig) -> Path:
         raise StageError("nothing to generate: data.sources is empty and generate.synthesize is 0")
 
     plan = _plan(cfg, identity, tok.chat_template, prepared_manifest)
-    plan_path = out / "plan.json"
-    if plan_path.is_file():
-        old = json.loads(plan_path.read_text())
-        if old != plan:
-            raise StageError(
-                f"{out} holds a generation made with other settings ({'; '.join(_plan_diff(old, plan))}); "
-                f"use another run_dir or delete {out}"
-            )
-        if (out / "manifest.json").is_file():
-            log.info("generate: %s is already complete", out)
+    try:
+        if start_or_resume(out, plan, state, "generate"):
             return out
-    state.wait_for_everyone()
-    if state.is_main_process:
-        atomic_write_text(plan_path, json.dumps(plan, indent=2) + "\n")
+    except PlanMismatch as exc:
+        raise StageError(str(exc)) from None
 
     gen, _model = make_generator(cfg, tok, state)
     log.info("generate: backend=%s, %d rank(s)", gen.name, state.num_processes)
