@@ -154,6 +154,12 @@ class FeatureStore:
             **self.meta[i],
         }
 
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) of sample i, without reading its features."""
+        s, a, b = self._where[i]
+        f = self._files[s]
+        return f.get_slice("input_ids")[a:b].to(torch.long), f.get_slice("loss_mask")[a:b]
+
     def load_batch(self, indices: Sequence[int]) -> dict[str, Any]:
         samples = [self[i] for i in indices]
         return {

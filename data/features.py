@@ -64,7 +64,7 @@ class FeatureCapture:
         self.aux_ids = resolve_aux_ids(aux_ids, self.num_layers)
         self.hidden_size = model.config.hidden_size
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: online training feeds these tensors into autograd
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         captured: dict[int, torch.Tensor] = {}
 
@@ -136,6 +136,8 @@ class FeatureSource(Protocol):
     lengths: list[int]
     meta: list[dict[str, Any]]
 
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def load_batch(self, indices: Sequence[int]) -> dict[str, Any]: ...
 
 
@@ -161,6 +163,10 @@ class OnlineFeatureSource:
         self.records = [r for r in records if r["num_supervised"] > 0]
         self.lengths = [r["num_tokens"] for r in self.records]
         self.meta = [{"id": r["id"], "domain": r["domain"], "split": r["split"]} for r in self.records]
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) of sample i, without running the target."""
+        return torch.tensor(self.records[i]["input_ids"]), torch.tensor(self.records[i]["loss_mask"], dtype=torch.uint8)
 
     def load_batch(self, indices: Sequence[int]) -> dict[str, Any]:
         device = next(self.capture.model.parameters()).device

@@ -26,6 +26,10 @@ def _stage(name: str):
         from pipeline.collect import run_collect
 
         return run_collect
+    if name == "train":
+        from pipeline.train import run_train
+
+        return run_train
     raise KeyError(name)
 
 
@@ -33,6 +37,7 @@ STAGES = {
     "prepare": "ingest datasets, apply the chat template, compute assistant loss masks, split train/holdout",
     "generate": "regenerate every assistant turn with the target (on-policy), optionally self-synthesizing prompts",
     "collect": "run the target over the records and store its aux-layer and final hidden states (feature store)",
+    "train": "train the drafter (EAGLE-3 with training-time test) on the features, with accelerate / DeepSpeed",
 }
 
 
@@ -48,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("config", help="YAML run recipe (see configs/)")
         p.add_argument("overrides", nargs="*", help="key.path=value overrides applied on top of the YAML")
+        if name == "train":
+            p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR/train")
         if name == "collect":
             p.add_argument("--verify", type=int, default=0, metavar="N",
                            help="afterwards, recompute N random stored samples and fail above collect.verify_tolerance")
@@ -70,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist_state().is_main_process:
             save_config(cfg, cfg.run_path / "config.yaml")
-        extra = {"verify": args.verify} if args.stage == "collect" else {}
+        extra = {"verify": args.verify} if args.stage == "collect" else {"resume": args.resume} if args.stage == "train" else {}
         _stage(args.stage)(cfg, **extra)
     except expected as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)

@@ -150,14 +150,62 @@ class CollectConfig(Section):
 
 
 class TrainConfig(Section):
-    drafter: Literal["eagle3", "dspark"] = "eagle3"
-    """Drafter family."""
+    drafter: Literal["eagle3"] = "eagle3"
+    """Drafter family (see drafters/registry.py)."""
     features: Literal["offline", "online"] = "offline"
-    """Read features from the collected store, or compute them with the target during training."""
+    """Read features from the collected store, or compute them with the target inside training."""
     ttt_steps: int = Field(7, ge=1)
-    """Training-time-test unroll length (EAGLE-3)."""
+    """Training-time-test unroll length k."""
+    step_decay: float = Field(0.8, gt=0.0, le=1.0)
+    """Loss weight of TTT step i is step_decay**i."""
+    loss: Literal["ce", "tv", "accept"] = "ce"
+    """Per-position loss: soft cross-entropy to the teacher (forward KL), total variation, or -log acceptance."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Temperature of the teacher and of the acceptance targets (confidence head, simulated τ); 0 = greedy."""
+    confidence_weight: float = Field(1.0, ge=0.0)
+    """Weight of the confidence head's BCE loss."""
     draft_vocab_size: int = Field(32000, ge=1)
     """Draft vocabulary size (capped at the target vocabulary)."""
+    num_layers: int = Field(1, ge=1)
+    """Drafter decoder layers (SGLang serves only 1)."""
+    intermediate_size: int | None = None
+    """Drafter MLP width; None = the target's."""
+    batch_tokens: int = Field(4096, ge=16)
+    """Padded tokens per micro-batch (per rank)."""
+    gradient_accumulation: int = Field(1, ge=1)
+    """Micro-batches per optimizer step."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the training split."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (None: run all epochs)."""
+    lr: float = Field(1e-4, gt=0.0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    warmup_ratio: float = Field(0.02, ge=0.0, lt=1.0)
+    """Fraction of steps with linear warmup before the cosine decay."""
+    max_grad_norm: float = Field(0.5, gt=0.0)
+    """Gradient clipping norm."""
+    gradient_checkpointing: bool = False
+    """Recompute each TTT step's layers in backward (less memory, ~30% more compute)."""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """`auto`: bf16 on CUDA, fp32 on CPU."""
+    deepspeed: str | None = None
+    """Path to a DeepSpeed JSON (see launch/); also taken from `accelerate launch --use_deepspeed` configs."""
+    log_every: int = Field(10, ge=1)
+    """Optimizer steps between console/wandb logs."""
+    eval_every: int = Field(200, ge=1)
+    """Optimizer steps between holdout evaluations (and best-checkpoint selection)."""
+    save_every: int = Field(500, ge=1)
+    """Optimizer steps between checkpoints (one is always written at the end)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Step checkpoints kept on disk (the best one is kept separately)."""
+    holdout_batches: int | None = Field(None, ge=1)
+    """Cap on holdout batches per evaluation (None: the whole holdout split)."""
+    report_to: Literal["none", "wandb"] = "none"
+    """Experiment tracker; wandb runs offline when no API key is configured."""
+    wandb_project: str = "draftsmith"
+    """wandb project name."""
 
 
 class EvalConfig(Section):

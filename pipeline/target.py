@@ -257,3 +257,48 @@ def load_target(cfg: ModelConfig, with_model: bool = True) -> Target:
     tok = load_tokenizer(cfg, spec)
     model = load_model(cfg, spec) if with_model else None
     return Target(model=model, tokenizer=tok, identity=spec.identity())
+
+
+def load_config_of(cfg: ModelConfig, spec: TargetSpec | None = None):
+    """The target's HF config (no weights)."""
+    from transformers import AutoConfig
+
+    spec = spec or resolve_target(cfg)
+    kwargs: dict[str, Any] = {}
+    if spec.gguf_file:
+        kwargs["gguf_file"] = spec.gguf_file
+    if spec.revision:
+        kwargs["revision"] = spec.revision
+    return AutoConfig.from_pretrained(spec.location, **kwargs)
+
+
+def load_head_weights(cfg: ModelConfig, model=None) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(config, lm_head weight [V,H], input embedding [V,H]) of the target, detached on CPU.
+
+    A local safetensors checkpoint is read tensor by tensor (an 8B-70B target is never loaded whole for
+    offline training); otherwise (GGUF, hub) the model is loaded, unless the caller passes it in.
+    """
+    spec = resolve_target(cfg)
+    config = load_config_of(cfg, spec)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if model is None and spec.kind == "dir":
+        from safetensors import safe_open
+
+        root = Path(spec.location)
+        index = root / "model.safetensors.index.json"
+        where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+        wanted = {"embed": "model.embed_tokens.weight", "head": "model.embed_tokens.weight" if tied else "lm_head.weight"}
+        found = {}
+        for key, name in wanted.items():
+            file = root / (where[name] if where and name in where else "model.safetensors")
+            if file.is_file():
+                with safe_open(str(file), framework="pt") as f:
+                    if name in f.keys():
+                        found[key] = f.get_tensor(name)
+        if len(found) == 2:
+            return config, found["head"], found["embed"]
+    if model is None:
+        model = load_model(cfg, spec, torch.device("cpu"))
+    head = model.get_output_embeddings().weight.detach()
+    embed = model.get_input_embeddings().weight.detach()
+    return config, head.cpu(), embed.cpu()

@@ -1,0 +1,329 @@
+"""EAGLE-3 drafter: architecture, the training-time-test (TTT) unroll, and cached step-by-step decoding.
+
+Parameter names follow the checkpoints vLLM and SGLang load (`fc`, `midlayer.*`, `norm`, `lm_head`,
+`d2t`, `t2d`, `embed_tokens`). Extra layers (num_layers > 1) are `layers.{i}` for i >= 1.
+
+Positions: the drafter entry built from the target's features at token position t (and the embedding of
+token t+1) sits at position t and predicts token t+2. TTT step i at slot t stands for inference position
+t+i: its input is the step i-1 output at slot t (the drafter's own pre-norm hidden state) and token
+t+1+i; it attends to the step-0 keys of slots 0..t (causal) and to the keys of steps 1..i at slot t
+(the diagonal), exactly the keys a KV cache holds when the drafter runs autoregressively.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+
+@dataclass
+class Eagle3Config:
+    vocab_size: int
+    """Target vocabulary size (embedding rows; engines read it as the target vocab)."""
+    draft_vocab_size: int
+    """Rows of `lm_head`."""
+    hidden_size: int
+    """Drafter hidden size."""
+    target_hidden_size: int
+    """Hidden size of the target's features (fc input is n_aux * this)."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    aux_layer_ids: list[int]
+    """HF hidden_states indices of the target features `fc` fuses (vLLM numbering)."""
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    num_layers: int = 1
+    """Decoder layers; the first takes the 2H-wide [embedding; hidden] input."""
+    norm_before_residual: bool = False
+    """Use hidden_norm(h) instead of h as the first residual (speculators option; vLLM/SGLang default False)."""
+    hidden_act: str = "silu"
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Target config fields kept for export (e.g. rope scaling, bos/eos ids)."""
+
+    def layer_config(self) -> LlamaConfig:
+        """The HF Llama config of the drafter's decoder layers (used for RoPE / MLP / RMSNorm modules)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
+            rope_theta=self.rope_theta, **{k: v for k, v in self.extra.items() if k in ("rope_scaling",)},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
+        return cls(**d)
+
+
+class KVCache:
+    """Per-layer keys/values for cached decoding, with rollback (`crop`) after rejected drafts.
+    Written here rather than using transformers' Cache classes because eval also needs to gather accepted
+    tree branches into consecutive slots, which those classes do not do."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    def length(self, layer: int = 0) -> int:
+        return 0 if self.k[layer] is None else self.k[layer].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer] = k, v
+        else:
+            self.k[layer] = torch.cat([self.k[layer], k], dim=2)
+            self.v[layer] = torch.cat([self.v[layer], v], dim=2)
+        return self.k[layer], self.v[layer]
+
+    def crop(self, length: int) -> None:
+        for i in range(len(self.k)):
+            if self.k[i] is not None:
+                self.k[i], self.v[i] = self.k[i][:, :, :length], self.v[i][:, :, :length]
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config, input_size: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(input_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(input_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(input_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def _qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def ttt(self, x, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]]):
+        """One TTT step over all slots. `past` holds (k, v) of steps 0..i-1; returns output and this step's (k, v).
+
+        Step 0 is plain causal attention. Step i > 0: scores against step-0 keys (causal) and, per slot, against
+        the same slot's keys of steps 1..i, normalized by one softmax over both.
+        """
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        groups = self.heads // self.kv_heads
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if not past:
+            out = F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), is_causal=True)
+        else:
+            k0, v0 = _repeat_kv(past[0][0], groups), _repeat_kv(past[0][1], groups)
+            diag_k = torch.stack([_repeat_kv(kj, groups) for kj, _ in past[1:]] + [_repeat_kv(k, groups)], dim=3)
+            diag_v = torch.stack([_repeat_kv(vj, groups) for _, vj in past[1:]] + [_repeat_kv(v, groups)], dim=3)
+            causal = torch.matmul(q, k0.transpose(-1, -2)) * scale  # [B, h, T, T]
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            causal = causal.masked_fill(~mask, torch.finfo(causal.dtype).min)
+            diag = torch.einsum("bhtd,bhtjd->bhtj", q, diag_k) * scale  # [B, h, T, i]
+            scores = torch.cat([causal, diag], dim=-1)
+            probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+            out = torch.matmul(probs[..., :T], v0) + torch.einsum("bhtj,bhtjd->bhtd", probs[..., T:], diag_v)
+        out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
+        return self.o_proj(out), (k, v)
+
+    def cached(self, x, cos, sin, cache: KVCache, layer: int):
+        """Causal attention of new entries over the cache plus themselves (inference)."""
+        B, n, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        past_len = cache.length(layer)
+        keys, values = cache.append(layer, k, v)
+        groups = self.heads // self.kv_heads
+        total = past_len + n
+        mask = torch.ones(n, total, dtype=torch.bool, device=x.device).tril(diagonal=past_len)
+        out = F.scaled_dot_product_attention(q, _repeat_kv(keys, groups), _repeat_kv(values, groups), attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.heads * self.head_dim))
+
+
+class Eagle3Layer(nn.Module):
+    """A Llama decoder layer; the first one takes cat(input_layernorm(embedding), hidden_norm(hidden))."""
+
+    def __init__(self, cfg: Eagle3Config, first: bool):
+        super().__init__()
+        self.first = first
+        self.norm_before_residual = cfg.norm_before_residual
+        lcfg = cfg.layer_config()
+        width = 2 * cfg.hidden_size if first else cfg.hidden_size
+        if first:
+            self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg, width)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(lcfg)
+
+    def _attn_input(self, hidden, embeds):
+        if self.first:
+            normed_hidden = self.hidden_norm(hidden)
+            residual = normed_hidden if self.norm_before_residual else hidden
+            return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
+        return self.input_layernorm(hidden), hidden
+
+    def _mlp(self, x):
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def ttt(self, hidden, embeds, cos, sin, past):
+        x, residual = self._attn_input(hidden, embeds)
+        attn, kv = self.self_attn.ttt(x, cos, sin, past)
+        return self._mlp(residual + attn), kv
+
+    def cached(self, hidden, embeds, cos, sin, cache, layer):
+        x, residual = self._attn_input(hidden, embeds)
+        return self._mlp(residual + self.self_attn.cached(x, cos, sin, cache, layer))
+
+
+class Eagle3Drafter(nn.Module):
+    name = "eagle3"
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # copied from the target and frozen
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, H, bias=False)
+        self.midlayer = Eagle3Layer(cfg, first=True)
+        self.layers = nn.ModuleList([Eagle3Layer(cfg, first=False) for _ in range(cfg.num_layers - 1)])
+        self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        # confidence head: P(this drafted position is accepted | the previous ones were), from the normed
+        # hidden state and the embedding of the token the position conditions on
+        self.confidence = nn.Linear(2 * H, 1)
+        self.rotary = LlamaRotaryEmbedding(cfg.layer_config())
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    # ------------------------------------------------------------------------------------ building blocks
+
+    def all_layers(self) -> list[Eagle3Layer]:
+        return [self.midlayer, *self.layers]
+
+    def _rope(self, positions: torch.Tensor, like: torch.Tensor):
+        return self.rotary(like, positions)
+
+    def heads(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft-vocab logits, confidence logit) from pre-norm hidden states and the input tokens."""
+        normed = self.norm(hidden)
+        conf_in = torch.cat([normed.detach(), self.embed_tokens(tokens).detach()], dim=-1)
+        return self.lm_head(normed), self.confidence(conf_in).squeeze(-1)
+
+    # ----------------------------------------------------------------------------------------- training
+
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, checkpoint: bool = False):
+        """The training forward (what DDP / DeepSpeed wrap): the TTT unroll."""
+        return self.ttt_forward(aux, input_ids, steps, checkpoint)
+
+    def ttt_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, checkpoint: bool = False):
+        """Unroll `steps` TTT steps. Returns, per step i, (logits [B,T,D], confidence logits [B,T]) where slot t
+        predicts token t+2+i from input token t+1+i; slots whose input token is past the end see token 0."""
+        B, T = input_ids.shape
+        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        base = torch.arange(T, device=input_ids.device).unsqueeze(0)
+        pasts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.all_layers()]
+        outputs = []
+        for i in range(steps):
+            tokens = F.pad(input_ids[:, 1 + i:], (0, 1 + i), value=0)
+            embeds = self.embed_tokens(tokens).to(hidden.dtype)
+            cos, sin = self._rope(base + i, hidden)
+            h = hidden
+            for li, layer in enumerate(self.all_layers()):
+                if checkpoint and self.training:
+                    h, kv = torch.utils.checkpoint.checkpoint(layer.ttt, h, embeds, cos, sin, list(pasts[li]), use_reentrant=False)
+                else:
+                    h, kv = layer.ttt(h, embeds, cos, sin, pasts[li])
+                pasts[li].append(kv)
+            logits, conf = self.heads(h, tokens)
+            outputs.append((logits, conf))
+            hidden = h
+        return outputs
+
+    # ---------------------------------------------------------------------------------------- inference
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.all_layers()))
+
+    @torch.no_grad()
+    def decode(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+               from_target: bool):
+        """Cached forward of n new entries. `hidden` is target aux features (from_target) or the drafter's own
+        pre-norm output; `tokens` the next tokens. Returns (logits, confidence logits, pre-norm hidden)."""
+        h = self.fc(hidden.to(self.fc.weight.dtype)) if from_target else hidden
+        embeds = self.embed_tokens(tokens).to(h.dtype)
+        cos, sin = self._rope(positions, h)
+        for li, layer in enumerate(self.all_layers()):
+            h = layer.cached(h, embeds, cos, sin, cache, li)
+        logits, conf = self.heads(h, tokens)
+        return logits, conf, h
+
+    # ------------------------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_target(cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, embed_weight: torch.Tensor,
+                    d2t: torch.Tensor, t2d: torch.Tensor, num_layers: int = 1, **overrides) -> "Eagle3Drafter":
+        """A drafter shaped like the target's layers (overridable), with the target's embedding copied in."""
+        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+        rope = getattr(target_config, "rope_parameters", None) or {}
+        fields = dict(
+            vocab_size=target_config.vocab_size, draft_vocab_size=draft_vocab_size,
+            hidden_size=target_config.hidden_size, target_hidden_size=target_config.hidden_size,
+            num_attention_heads=target_config.num_attention_heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
+            head_dim=head_dim, intermediate_size=target_config.intermediate_size, aux_layer_ids=list(aux_layer_ids),
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+            max_position_embeddings=target_config.max_position_embeddings, num_layers=num_layers,
+        )
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        if fields["hidden_size"] != target_config.hidden_size:
+            raise ValueError("the drafter shares the target's (frozen) embedding, so its hidden size must equal the target's")
+        model = cls(Eagle3Config(**fields))
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embed_weight)
+            model.d2t.copy_(d2t)
+            model.t2d.copy_(t2d)
+        return model
+
+    def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """model.safetensors + config.json. `state_dict` overrides the module's own (e.g. gathered under ZeRO-3)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = state_dict if state_dict is not None else self.state_dict()
+        state = {k: v.detach().contiguous().cpu() for k, v in state.items() if not k.startswith("rotary.")}
+        save_file(state, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps({"drafter": self.name, **self.config.to_dict()}, indent=2))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> "Eagle3Drafter":
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        raw = json.loads((directory / "config.json").read_text())
+        raw.pop("drafter", None)
+        model = cls(Eagle3Config.from_dict(raw))
+        missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+        missing = [m for m in missing if not m.startswith("rotary.")]
+        if missing or unexpected:
+            raise ValueError(f"{directory}: checkpoint does not match the drafter (missing {missing}, unexpected {unexpected})")
+        return model

@@ -1,0 +1,394 @@
+"""`draftsmith train`: the trainer every drafter family shares.
+
+accelerate drives devices, data parallelism (DDP or DeepSpeed ZeRO 1/2/3 from a JSON in launch/), mixed
+precision and gradient accumulation; the loop itself is written out here. Features come from the offline
+store or are computed online by the target; batches are length-bucketed, reshuffled per epoch and sharded
+across ranks (`data.features.iterate_batches`), so a resumed run sees exactly the batches the
+uninterrupted one would have.
+
+Output: RUN_DIR/train/ with checkpoints/step-N (accelerate state + drafter), best/ (highest holdout
+simulated acceptance length), final/ and a manifest.json once training completed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from data.artifacts import atomic_write_text, write_manifest
+from data.feature_store import FeatureStore
+from data.features import FeatureSource, OnlineFeatureSource, length_batches, resolve_aux_ids, shard_for_rank
+from drafters.objectives import ObjectiveSettings, summarize
+from drafters.registry import get_family
+from drafters.vocab import select_draft_vocab
+from pipeline.collect import input_records
+from pipeline.config import RunConfig
+from pipeline.console import console
+from pipeline.prepare import StageError
+from pipeline.target import load_config_of, load_head_weights, load_target, resolve_target
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+
+def feature_source(cfg: RunConfig, identity: dict[str, Any], target_config) -> tuple[FeatureSource, list[int], Any]:
+    """(source, aux ids, target model or None) for `train.features`."""
+    L = target_config.num_hidden_layers
+    if cfg.train.features == "offline":
+        store_dir = cfg.run_path / "features"
+        if not (store_dir / "manifest.json").is_file():
+            raise StageError(f"no feature store at {store_dir}; run `draftsmith collect` or set train.features=online")
+        aux = resolve_aux_ids(cfg.collect.aux_layer_ids, L) if cfg.collect.aux_layer_ids is not None else None
+        store = FeatureStore(store_dir, target=identity, aux_ids=aux, hidden_size=target_config.hidden_size)
+        return store, store.aux_ids, None
+    target = load_target(cfg.model)
+    _, _, records = input_records(cfg, identity)
+    source = OnlineFeatureSource(target.model, records, cfg.collect.aux_layer_ids)
+    return source, source.aux_ids, target.model
+
+
+def token_counts(source: FeatureSource, vocab_size: int) -> torch.Tensor:
+    """How often each target id appears as an assistant token in the training split."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for i, meta in enumerate(source.meta):
+        if meta["split"] != "train":
+            continue
+        ids, mask = source.tokens(i)
+        counts += torch.bincount(ids[mask.bool()], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def plan_epoch(source: FeatureSource, cfg: RunConfig, epoch: int, rank: int, world: int, split: str = "train") -> list[list[int]]:
+    pool = [i for i, m in enumerate(source.meta) if m["split"] == split]
+    batches = length_batches([source.lengths[i] for i in pool], cfg.train.batch_tokens, shuffle=split == "train",
+                             seed=cfg.seed * 100_003 + epoch)
+    return [[pool[j] for j in b] for b in shard_for_rank(batches, rank, world)]
+
+
+# ---------------------------------------------------------------------------------------- the trainer
+
+
+def _accelerator(cfg: RunConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    cuda = torch.cuda.is_available()
+    mp = cfg.train.mixed_precision
+    mp = ("bf16" if cuda else "no") if mp == "auto" else mp
+    kwargs: dict[str, Any] = {}
+    if cfg.train.deepspeed:
+        path = Path(cfg.train.deepspeed)
+        if not path.is_file():
+            raise StageError(f"train.deepspeed: {path} not found")
+        ds_config = json.loads(path.read_text())
+        # batches are variable-length token buckets, not a DataLoader accelerate could size "auto" fields from
+        if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            ds_config["train_micro_batch_size_per_gpu"] = 1
+        if ds_config.get("train_batch_size", "auto") == "auto":
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            ds_config["train_batch_size"] = ds_config["train_micro_batch_size_per_gpu"] * cfg.train.gradient_accumulation * world
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
+            hf_ds_config=ds_config, gradient_accumulation_steps=cfg.train.gradient_accumulation,
+            gradient_clipping=cfg.train.max_grad_norm,
+        )
+        if not cuda:
+            # On CPU (DS_ACCELERATOR=cpu) accelerate finds no backend for DeepSpeed and would run every rank as
+            # a world of 1; naming gloo makes it initialize DeepSpeed's process group and count the ranks.
+            from accelerate.utils import InitProcessGroupKwargs
+
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    if cfg.train.report_to == "wandb":
+        if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
+            os.environ["WANDB_MODE"] = "offline"
+        kwargs["log_with"] = "wandb"
+    # DeepSpeed brings its own accelerator (DS_ACCELERATOR=cpu on CPU); cpu=True would make accelerate drop it
+    return Accelerator(cpu=not cuda and not cfg.train.deepspeed, mixed_precision=mp, gradient_accumulation_steps=cfg.train.gradient_accumulation,
+                       project_dir=str(cfg.run_path / "train"), **kwargs)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _reduce(accelerator, stats: dict[str, float]) -> dict[str, float]:
+    keys = sorted(stats)
+    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+    t = accelerator.reduce(t, reduction="sum")
+    return dict(zip(keys, t.tolist()))
+
+
+def _add(acc: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
+    for k, v in stats.items():
+        acc[k] = acc.get(k, 0.0) + float(v)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        t = cfg.train
+        self.out = cfg.run_path / "train"
+        self.accelerator = _accelerator(cfg)
+        acc = self.accelerator
+        self.device = acc.device
+        spec = resolve_target(cfg.model)
+        self.identity = spec.identity()
+        target_config = load_config_of(cfg.model, spec)
+        self.source, self.aux_ids, target_model = feature_source(cfg, self.identity, target_config)
+        if not any(m["split"] == "train" for m in self.source.meta):
+            raise StageError("the training split is empty (no records with assistant tokens in split 'train')")
+        _, head, embed = load_head_weights(cfg.model, model=target_model)
+        V = head.shape[0]
+        if t.draft_vocab_size > V:
+            log.warning("train.draft_vocab_size=%d is larger than the target vocabulary (%d): using %d", t.draft_vocab_size, V, V)
+        self.draft_vocab_size = min(t.draft_vocab_size, V)
+        if (self.out / "vocab.safetensors").is_file():  # resume: the vocabulary is part of the run
+            from safetensors.torch import load_file
+
+            vocab = load_file(str(self.out / "vocab.safetensors"))
+            d2t, t2d = vocab["d2t"], vocab["t2d"]
+        else:
+            d2t, t2d = select_draft_vocab(token_counts(self.source, V), self.draft_vocab_size)
+            if acc.is_main_process:
+                from safetensors.torch import save_file
+
+                self.out.mkdir(parents=True, exist_ok=True)
+                save_file({"d2t": d2t, "t2d": t2d}, str(self.out / "vocab.safetensors"))
+        self.family = get_family(t.drafter)
+        torch.manual_seed(cfg.seed)
+        model = self.family.model_class.from_target(
+            target_config, self.aux_ids, self.draft_vocab_size, embed, d2t, t2d,
+            num_layers=t.num_layers, intermediate_size=t.intermediate_size,
+        )
+        self.head_weight = head.to(self.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32)
+        self.settings = ObjectiveSettings(t.ttt_steps, t.step_decay, t.loss, t.temperature, t.confidence_weight,
+                                          t.gradient_checkpointing)
+        self.batches_per_epoch = len(plan_epoch(self.source, cfg, 0, acc.process_index, acc.num_processes))
+        if self.batches_per_epoch == 0:
+            raise StageError("not enough training batches for every rank to get one; lower train.batch_tokens")
+        steps_per_epoch = max(1, self.batches_per_epoch // t.gradient_accumulation)
+        self.total_steps = steps_per_epoch * t.epochs if t.max_steps is None else t.max_steps
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+        from transformers import get_cosine_schedule_with_warmup
+
+        # accelerate steps the scheduler once per process per optimizer step; it expects totals x num_processes
+        scheduler = get_cosine_schedule_with_warmup(
+            optimizer, int(t.warmup_ratio * self.total_steps) * acc.num_processes, self.total_steps * acc.num_processes)
+        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.best = -math.inf
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------------------------ checkpoints
+
+    def unwrapped(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def save_drafter(self, directory: Path) -> None:
+        """Drafter weights + config (gathered from every rank under ZeRO-3)."""
+        acc = self.accelerator
+        state = acc.get_state_dict(self.model)
+        if acc.is_main_process:
+            self.unwrapped().save_pretrained(directory, state_dict=state)
+
+    def save_checkpoint(self) -> Path:
+        acc = self.accelerator
+        ckpt_root = self.out / "checkpoints"
+        final = ckpt_root / f"step-{self.step:07d}"
+        partial = ckpt_root / f".step-{self.step:07d}.partial"
+        if acc.is_main_process and partial.exists():
+            shutil.rmtree(partial)
+        acc.wait_for_everyone()
+        acc.save_state(str(partial))
+        self.save_drafter(partial / "drafter")
+        if acc.is_main_process:
+            state = {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "best": self.best,
+                     "history": self.history}
+            (partial / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            partial.rename(final)
+            kept = sorted(ckpt_root.glob("step-*"))
+            for old in kept[: -self.cfg.train.keep_checkpoints]:
+                shutil.rmtree(old)
+        acc.wait_for_everyone()
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        found = sorted((self.out / "checkpoints").glob("step-*"))
+        return found[-1] if found else None
+
+    def resume(self) -> bool:
+        ckpt = self.latest_checkpoint()
+        if ckpt is None:
+            return False
+        self.accelerator.load_state(str(ckpt))
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        self.best, self.history = state["best"], state["history"]
+        log.info("train: resumed from %s (step %d, epoch %d, batch %d)", ckpt, self.step, self.epoch, self.batch_in_epoch)
+        return True
+
+    # ---------------------------------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Holdout statistics (τ_sim, per-step accuracy / acceptance), summed over ranks."""
+        acc = self.accelerator
+        self.model.eval()
+        batches = plan_epoch(self.source, self.cfg, 0, acc.process_index, acc.num_processes, split="holdout")
+        if self.cfg.train.holdout_batches:
+            batches = batches[: self.cfg.train.holdout_batches]
+        totals: dict[str, float] = {}
+        for indices in batches:
+            batch = self.source.load_batch(indices)
+            with acc.autocast():
+                _, stats = self.family.objective(self.model, batch, self.head_weight, self.settings, self.unwrapped())
+            _add(totals, stats)
+        self.model.train()
+        keys = [f"{k}_{i}" for i in range(self.settings.steps) for k in ("n", "loss", "acc", "accept", "bce", "conf")]
+        totals = {k: totals.get(k, 0.0) for k in keys + ["tau", "tau_n", "oov", "tokens"]}
+        totals = _reduce(acc, totals)
+        if totals["tau_n"] == 0:
+            return {}
+        return summarize(totals, self.settings.steps)
+
+    # -------------------------------------------------------------------------------------------- train
+
+    def train(self) -> Path:
+        cfg, t, acc = self.cfg, self.cfg.train, self.accelerator
+        if t.report_to != "none":
+            acc.init_trackers(t.wandb_project, config=cfg.dump(), init_kwargs={"wandb": {"name": cfg.name, "dir": str(self.out)}})
+        self.model.train()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", disable=not acc.is_main_process)
+        window: dict[str, float] = {}
+        started, window_start = time.perf_counter(), time.perf_counter()
+        done = self.step >= self.total_steps
+        # max_steps, when set, decides the length (epochs repeat as needed); otherwise `epochs` does
+        while not done and (t.max_steps is not None or self.epoch < t.epochs):
+            batches = plan_epoch(self.source, cfg, self.epoch, acc.process_index, acc.num_processes)
+            usable = len(batches) // t.gradient_accumulation * t.gradient_accumulation
+            while self.batch_in_epoch < usable:
+                indices = batches[self.batch_in_epoch]
+                batch = self.source.load_batch(indices)
+                with acc.accumulate(self.model):
+                    with acc.autocast():
+                        loss, stats = self.family.objective(self.model, batch, self.head_weight, self.settings, self.unwrapped())
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        grad_norm = acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad()
+                self.batch_in_epoch += 1
+                _add(window, stats)
+                window["loss_total"] = window.get("loss_total", 0.0) + float(loss.detach())
+                window["micro"] = window.get("micro", 0.0) + 1
+                if not acc.sync_gradients:
+                    continue
+                self.step += 1
+                bar.update(1)
+                if self.step % t.log_every == 0 or self.step == self.total_steps:
+                    self._log(window, time.perf_counter() - window_start, grad_norm, bar)
+                    window, window_start = {}, time.perf_counter()
+                if self.step % t.eval_every == 0 or self.step == self.total_steps:
+                    self._evaluate_and_keep_best()
+                if self.step % t.save_every == 0 or self.step == self.total_steps:
+                    self.save_checkpoint()
+                if self.step >= self.total_steps:
+                    done = True
+                    break
+            if not done:
+                self.epoch += 1
+                self.batch_in_epoch = 0
+        bar.close()
+        result = self._finish(time.perf_counter() - started)
+        if t.report_to != "none":
+            acc.end_training()
+        return result
+
+    def _log(self, window: dict[str, float], seconds: float, grad_norm, bar) -> None:
+        acc = self.accelerator
+        keys = sorted(window)
+        totals = _reduce(acc, {k: window[k] for k in keys})
+        s = summarize(totals, self.settings.steps)
+        metrics = {
+            "train/loss": totals["loss_total"] / max(totals["micro"], 1),
+            "train/tau_sim": s["tau"], "train/oov_frac": s["oov_frac"],
+            "train/tokens_per_s": totals["tokens"] / max(seconds, 1e-9),
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "train/peak_memory_mb": _peak_memory_mb(self.device),
+        }
+        for i in range(self.settings.steps):
+            metrics[f"train/acc_{i}"] = s[f"acc_{i}"]
+            metrics[f"train/accept_{i}"] = s[f"accept_{i}"]
+        self.history.append({"step": self.step, **metrics})
+        acc.log(metrics, step=self.step)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc0=f"{s['acc_0']:.2f}", tau=f"{s['tau']:.2f}",
+                        tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+
+    def _evaluate_and_keep_best(self) -> None:
+        acc = self.accelerator
+        s = self.evaluate()
+        if not s:
+            return
+        metrics = {f"holdout/{k}": v for k, v in s.items() if k == "tau" or k.split("_")[0] in ("acc", "accept", "conf")}
+        self.history.append({"step": self.step, **metrics})
+        acc.log(metrics, step=self.step)
+        if acc.is_main_process:
+            console.print(f"step {self.step}: holdout τ_sim={s['tau']:.3f} acc_0={s['acc_0']:.3f} "
+                          f"accept_0={s['accept_0']:.3f} (OOV {s['oov_frac']:.1%})", highlight=False)
+        if s["tau"] > self.best:
+            self.best = s["tau"]
+            self.save_drafter(self.out / ".best.partial")
+            if acc.is_main_process:
+                if (self.out / "best").exists():
+                    shutil.rmtree(self.out / "best")
+                (self.out / ".best.partial").rename(self.out / "best")
+                atomic_write_text(self.out / "best" / "metrics.json", json.dumps({"step": self.step, **s}, indent=2))
+            acc.wait_for_everyone()
+
+    def _finish(self, seconds: float) -> Path:
+        acc = self.accelerator
+        self.save_drafter(self.out / "final")
+        if acc.is_main_process:
+            write_manifest(
+                self.out, "drafter", target=self.identity, drafter=self.family.name, aux_layer_ids=self.aux_ids,
+                draft_vocab_size=self.draft_vocab_size, steps=self.step, epochs_started=self.epoch + 1,
+                best_holdout_tau=self.best if self.best > -math.inf else None,
+                config={"train": self.cfg.train.model_dump(mode="json")}, history=self.history,
+                world_size=acc.num_processes, seconds=round(seconds, 1),
+            )
+            log.info("train: %d steps; final drafter in %s (best holdout τ_sim %.3f in %s)", self.step,
+                     self.out / "final", self.best, self.out / "best")
+        acc.wait_for_everyone()
+        return self.out
+
+
+def run_train(cfg: RunConfig, resume: bool = False) -> Path:
+    out = cfg.run_path / "train"
+    if (out / "manifest.json").is_file() and not resume:
+        raise StageError(f"{out} already holds a finished training run; use another run_dir, delete it, or pass --resume")
+    if not resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*")):
+        raise StageError(f"{out} holds checkpoints of an unfinished run; pass --resume to continue it")
+    trainer = Trainer(cfg)
+    if resume and not trainer.resume():
+        log.info("train: no checkpoint to resume from in %s; starting fresh", out)
+    return trainer.train()

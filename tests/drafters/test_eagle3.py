@@ -1,0 +1,98 @@
+"""EAGLE-3: training-time test computes exactly what cached autoregressive drafting computes."""
+
+import pytest
+import torch
+
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+
+
+def _drafter(num_layers=1, norm_before_residual=False, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(vocab_size=97, draft_vocab_size=41, hidden_size=32, target_hidden_size=24,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                       aux_layer_ids=[1, 2, 3], num_layers=num_layers, norm_before_residual=norm_before_residual)
+    model = Eagle3Drafter(cfg).to(dtype).eval()
+    with torch.no_grad():  # non-trivial norms so a wrong normalization path cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [dict(), dict(num_layers=2), dict(norm_before_residual=True)])
+def test_ttt_step_i_equals_cached_autoregressive_drafting(steps, variant):
+    model = _drafter(**variant)
+    B, T = 2, 13
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(B, T, 3 * 24, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 97, (B, T), generator=g)
+    with torch.no_grad():
+        outs = model.ttt_forward(aux, ids, steps)
+    assert len(outs) == steps
+    checked = 0
+    for b in range(B):
+        for t in range(T - 1):
+            cache = model.new_cache()
+            # the context: step-0 entries for slots 0..t, built from target features, in one cached call
+            logits, conf, hidden = model.decode(aux[b:b + 1, :t + 1], ids[b:b + 1, 1:t + 2],
+                                                torch.arange(t + 1).unsqueeze(0), cache, from_target=True)
+            torch.testing.assert_close(logits[0, t], outs[0][0][b, t], rtol=0, atol=1e-10)
+            torch.testing.assert_close(conf[0, t], outs[0][1][b, t], rtol=0, atol=1e-10)
+            h = hidden[:, t:t + 1]
+            for i in range(1, steps):
+                if t + 1 + i >= T:
+                    break
+                # step i: the drafter's own previous hidden state and the next token, at position t+i
+                logits, conf, h = model.decode(h, ids[b:b + 1, t + 1 + i:t + 2 + i], torch.tensor([[t + i]]), cache,
+                                               from_target=False)
+                torch.testing.assert_close(logits[0, 0], outs[i][0][b, t], rtol=0, atol=1e-10)
+                torch.testing.assert_close(conf[0, 0], outs[i][1][b, t], rtol=0, atol=1e-10)
+                checked += 1
+    assert checked > 0 or steps == 1
+
+
+def test_ttt_would_differ_without_the_diagonal_keys():
+    """Guard for the test above: dropping the diagonal keys changes step>=1 logits, so the equality is not vacuous."""
+    model = _drafter()
+    aux = torch.randn(1, 9, 72, dtype=torch.float64)
+    ids = torch.randint(0, 97, (1, 9))
+    with torch.no_grad():
+        full = model.ttt_forward(aux, ids, 2)[1][0]
+        attn = model.midlayer.self_attn
+        real = attn.ttt
+        attn.ttt = lambda x, cos, sin, past: real(x, cos, sin, past[:1] if len(past) > 1 else [])
+        try:
+            broken = model.ttt_forward(aux, ids, 2)[1][0]
+        finally:
+            attn.ttt = real
+    assert (full - broken).abs().max() > 1e-3
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = _drafter(dtype=torch.float64).train()
+    aux = torch.randn(2, 10, 72, dtype=torch.float64)
+    ids = torch.randint(0, 97, (2, 10))
+    grads = []
+    for ckpt in (False, True):
+        model.zero_grad()
+        outs = model.ttt_forward(aux, ids, 3, checkpoint=ckpt)
+        sum(o[0].square().mean() + o[1].mean() for o in outs).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and "fc.weight" in grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n])
+    assert "embed_tokens.weight" not in grads[0]  # frozen
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = _drafter(dtype=torch.float32)
+    model.d2t.copy_(torch.arange(41) * 1)
+    model.save_pretrained(tmp_path)
+    again = Eagle3Drafter.from_pretrained(tmp_path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+    names = set(again.state_dict())
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight",
+            "norm.weight", "d2t", "t2d", "embed_tokens.weight"} <= names
+    assert again.midlayer.self_attn.q_proj.weight.shape == (4 * 8, 2 * 32)  # layer 0 takes 2H
