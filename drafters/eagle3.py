@@ -49,6 +49,8 @@ class Eagle3Config:
     norm_before_residual: bool = False
     """Use hidden_norm(h) instead of h as the first residual (speculators option; vLLM/SGLang default False)."""
     hidden_act: str = "silu"
+    confidence_hidden: int = 256
+    """Width of the confidence head's hidden layer."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Target config fields kept for export (e.g. rope scaling, bos/eos ids)."""
 
@@ -207,8 +209,9 @@ class Eagle3Drafter(nn.Module):
         self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         # confidence head: P(this drafted position is accepted | the previous ones were), from the normed
-        # hidden state and the embedding of the token the position conditions on
-        self.confidence = nn.Linear(2 * H, 1)
+        # hidden state and the embedding of the token the position conditions on (a small MLP; serving
+        # engines ignore it, draftsmith's eval uses it for adaptive verification)
+        self.confidence = nn.Sequential(nn.Linear(2 * H, cfg.confidence_hidden), nn.SiLU(), nn.Linear(cfg.confidence_hidden, 1))
         self.rotary = LlamaRotaryEmbedding(cfg.layer_config())
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))

@@ -150,6 +150,12 @@ class Trainer:
         self.source, self.aux_ids, target_model = feature_source(cfg, self.identity, target_config)
         if not any(m["split"] == "train" for m in self.source.meta):
             raise StageError("the training split is empty (no records with assistant tokens in split 'train')")
+        too_long = [(m["id"], n) for m, n in zip(self.source.meta, self.source.lengths) if n > t.batch_tokens]
+        if too_long:
+            raise StageError(
+                f"{len(too_long)} samples do not fit in one batch of train.batch_tokens={t.batch_tokens} tokens "
+                f"(e.g. {too_long[0][0]}: {too_long[0][1]} tokens); raise train.batch_tokens or lower data.max_length"
+            )
         _, head, embed = load_head_weights(cfg.model, model=target_model)
         V = head.shape[0]
         if t.draft_vocab_size > V:

@@ -1,0 +1,101 @@
+"""Benchmark EAGLE-3 training on real target features: tokens/s with TTT k=7, and where the time goes.
+
+    python launch/bench_train.py                         # SmolLM2-135M-Instruct, 32k draft vocab, k=7, fp32 on CPU
+    python launch/bench_train.py --steps 20 --batch-tokens 4096
+
+Features come from the target itself (aux layers [2, L//2, L-3] + final state) on MT-Bench prompts padded
+out with sampled tokens, computed once up front. Each timed step is the trainer's own objective
+(teacher head + TTT unroll + losses) + backward + AdamW step. The frozen teacher head (the target's
+lm_head over every position, chunked) is also timed on its own, so its share of a step is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps (after 2 warm-up steps)")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from collections import Counter
+
+    from data.chat import prompt_ids
+    from data.features import FeatureCapture
+    from data.sources import iter_conversations
+    from drafters.eagle3 import Eagle3Drafter
+    from drafters.losses import teacher_from_final
+    from drafters.objectives import ObjectiveSettings, eagle3_objective
+    from drafters.vocab import draft_to_target_ids, select_draft_vocab
+    from pipeline.config import ModelConfig, SourceConfig
+    from pipeline.target import load_target
+
+    target = load_target(ModelConfig(target=args.target, dtype="float32"))
+    model, tok = target.model, target.tokenizer
+    rng = random.Random(0)
+    prompts = [prompt_ids(tok, c["messages"][:1]) for c in iter_conversations(SourceConfig(builtin="mtbench"), Counter())]
+    per_batch = max(1, args.batch_tokens // args.seq_len)
+    capture = FeatureCapture(model, None)
+    batches = []
+    for b in range(args.steps + 2):
+        rows = []
+        for j in range(per_batch):
+            p = prompts[(b * per_batch + j) % len(prompts)][: args.seq_len // 2]
+            rows.append(p + [rng.randrange(100, 20000) for _ in range(args.seq_len - len(p))])
+        ids = torch.tensor(rows)
+        aux, final = capture(ids)
+        mask = torch.zeros_like(ids, dtype=torch.uint8)
+        mask[:, args.seq_len // 2:] = 1
+        batches.append({"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+                        "aux": aux, "final": final})
+    counts = torch.bincount(torch.cat([b["input_ids"].flatten() for b in batches]), minlength=model.config.vocab_size)
+    d2t, t2d = select_draft_vocab(counts, min(args.draft_vocab, model.config.vocab_size))
+    head = model.get_output_embeddings().weight.detach()
+    drafter = Eagle3Drafter.from_target(model.config, capture.aux_ids, d2t.numel(), model.get_input_embeddings().weight, d2t, t2d)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    settings = ObjectiveSettings(steps=args.ttt_steps)
+    draft_ids = draft_to_target_ids(d2t)
+    n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+
+    step_times, head_times = [], []
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        teacher_from_final(batch["final"], head, draft_ids, settings.temperature)
+        t1 = time.perf_counter()
+        loss, _ = eagle3_objective(drafter, batch, head, settings)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t2 = time.perf_counter()
+        if i >= 2:
+            head_times.append(t1 - t0)
+            step_times.append(t2 - t1)
+    tokens = per_batch * args.seq_len
+    step, head_t = statistics.median(step_times), statistics.median(head_times)
+    print(f"target={args.target} threads={torch.get_num_threads()} drafter params={n_params / 1e6:.1f}M "
+          f"draft_vocab={d2t.numel()} ttt_steps={args.ttt_steps} batch={per_batch}x{args.seq_len} tokens")
+    print(f"train step (objective + backward + AdamW): {step * 1e3:8.1f} ms  -> {tokens / step:8.1f} tokens/s")
+    print(f"teacher head alone (target lm_head, full vocab): {head_t * 1e3:8.1f} ms  = {head_t / step:.1%} of a step")
+    print(f"drafter (TTT unroll, losses, backward, optimizer): {(step - head_t) * 1e3:8.1f} ms  = {1 - head_t / step:.1%}")
+    if hasattr(__import__("resource"), "getrusage"):
+        import resource
+
+        print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The trainer on a tiny target: overfitting, exact resume, 2-rank DDP == 1 rank, DeepSpeed ZeRO-2 == plain,
+online == offline features, wandb offline logging, and clear errors on bad input."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import pipeline.train as train_stage
+from data.artifacts import ArtifactError
+from pipeline.collect import run_collect
+from pipeline.config import load_config
+from pipeline.prepare import StageError, run_prepare
+from pipeline.tiny import save_tiny_target
+
+WORKER = Path(__file__).with_name("train_worker.py")
+
+
+def _records(n):
+    return [{"id": f"q{i}", "messages": [
+        {"role": "user", "content": f"Question {i}: what is {i} plus one?"},
+        {"role": "assistant", "content": f"The answer is {i + 1}. Because math is the sum of numbers and time."}]}
+        for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny 4-layer target with prepared data and an fp32 feature store, shared by the tests (copied per test)."""
+    root = tmp_path_factory.mktemp("train-ws")
+    target = save_tiny_target(root / "target", seed=0, num_layers=4)
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records(16)))
+    base = [f"model.target={target}", f"data.sources=[{{path: {data}}}]", "data.holdout_fraction=0.25",
+            "collect.aux_layer_ids=[1,2,3]", "collect.dtype=float32", "train.batch_tokens=160", "train.ttt_steps=3",
+            "train.log_every=1", "train.eval_every=1000", "train.save_every=1000", "train.draft_vocab_size=384"]
+    cfg = load_config(None, [f"run_dir={root / 'run'}", *base])
+    run_prepare(cfg)
+    run_collect(cfg)
+    return root, base
+
+
+def _cfg(workspace, tmp_path, *overrides):
+    root, base = workspace
+    run = tmp_path / "run"
+    if not run.exists():
+        shutil.copytree(root / "run", run, ignore=shutil.ignore_patterns("train"))
+    return load_config(None, [f"run_dir={run}", *base, *overrides])
+
+
+def _losses(run_dir):
+    m = json.loads((Path(run_dir) / "train" / "manifest.json").read_text())
+    return [(h["step"], h["train/loss"]) for h in m["history"] if "train/loss" in h]
+
+
+def test_overfits_a_small_set(workspace, tmp_path):
+    root, base = workspace
+    data = tmp_path / "six.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records(6)))
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", *base, f"data.sources=[{{path: {data}}}]",
+                             "data.holdout_fraction=0", "train.batch_tokens=512", "train.ttt_steps=2", "train.lr=5e-3",
+                             "train.epochs=300", "train.log_every=50", "train.temperature=0"])
+    run_prepare(cfg)
+    run_collect(cfg)
+    out = train_stage.run_train(cfg)
+    m = json.loads((out / "manifest.json").read_text())
+    logs = [h for h in m["history"] if "train/loss" in h]
+    assert len(logs) >= 10
+    assert logs[-1]["train/loss"] < 0.8 * logs[0]["train/loss"]
+    assert logs[-1]["train/acc_0"] > 0.9, logs[-1]
+    assert logs[-1]["train/oov_frac"] == 0.0  # full draft vocab
+    assert logs[-1]["train/tau_sim"] > logs[0]["train/tau_sim"] + 0.5
+    assert (out / "final" / "model.safetensors").is_file() and m["steps"] == 50 * len(logs)
+
+
+def test_resume_is_exact(workspace, tmp_path, monkeypatch):
+    common = ["train.max_steps=9", "train.save_every=3", "train.lr=2e-3", "train.temperature=0.8"]
+    ref = _cfg(workspace, tmp_path / "ref", *common)
+    train_stage.run_train(ref)
+    reference = _losses(ref.run_path)
+
+    cfg = _cfg(workspace, tmp_path / "cut", *common)
+    real_save = train_stage.Trainer.save_checkpoint
+
+    def save_then_die(self):
+        path = real_save(self)
+        if self.step == 6:
+            raise KeyboardInterrupt("killed after the step-6 checkpoint")
+        return path
+
+    monkeypatch.setattr(train_stage.Trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_stage.run_train(cfg)
+    monkeypatch.setattr(train_stage.Trainer, "save_checkpoint", real_save)
+    with pytest.raises(StageError, match="--resume"):
+        train_stage.run_train(cfg)
+    train_stage.run_train(cfg, resume=True)
+    assert _losses(cfg.run_path) == reference  # identical floats: the same steps, batches and state
+    a = load_file(str(ref.run_path / "train" / "final" / "model.safetensors"))
+    b = load_file(str(cfg.run_path / "train" / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _torchrun(recipe, out, env_extra, *overrides):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(WORKER), str(recipe), str(out), *overrides], env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_two_ranks_ddp_and_deepspeed_zero2_match_one_process(workspace, tmp_path):
+    common = ["train.max_steps=4", "train.lr=2e-3"]
+    single = _cfg(workspace, tmp_path / "single", *common, "train.gradient_accumulation=2")
+    train_stage.run_train(single)
+    ref = load_file(str(single.run_path / "train" / "final" / "model.safetensors"))
+    ref_losses = [l for _, l in _losses(single.run_path)]
+
+    for name, extra_env, extra in [
+        ("ddp", {}, []),
+        ("zero2", {"DS_ACCELERATOR": "cpu"}, [f"train.deepspeed={Path('launch/ds_zero2.json').resolve()}"]),
+    ]:
+        cfg = _cfg(workspace, tmp_path / name, *common)
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(json.dumps(cfg.dump()))
+        stdout = _torchrun(recipe, tmp_path / name, extra_env, *extra)
+        assert ("WORLD 2 DeepSpeedEngine" if name == "zero2" else "WORLD 2 DistributedDataParallel") in stdout
+        r0 = load_file(str(tmp_path / name / "rank0.safetensors"))
+        r1 = load_file(str(tmp_path / name / "rank1.safetensors"))
+        for k in r0:
+            assert torch.equal(r0[k], r1[k]), f"{name}: ranks diverged on {k}"
+            torch.testing.assert_close(r0[k], ref[f"{k}"], atol=2e-5, rtol=1e-4, msg=f"{name} vs single process: {k}")
+        losses = [l for _, l in _losses(cfg.run_path)]
+        assert len(losses) == len(ref_losses)
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) < 1e-4 * abs(b), (name, losses, ref_losses)
+
+
+def test_online_features_train_like_offline(workspace, tmp_path):
+    offline = _cfg(workspace, tmp_path / "off", "train.max_steps=3")
+    train_stage.run_train(offline)
+    online = _cfg(workspace, tmp_path / "on", "train.max_steps=3", "train.features=online")
+    shutil.rmtree(online.run_path / "features")  # online must not need the store
+    train_stage.run_train(online)
+    for (s1, a), (s2, b) in zip(_losses(offline.run_path), _losses(online.run_path)):
+        assert s1 == s2 and abs(a - b) < 1e-4 * abs(a)
+
+
+def test_wandb_offline_logging(workspace, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = _cfg(workspace, tmp_path, "train.max_steps=2", "train.report_to=wandb")
+    out = train_stage.run_train(cfg)
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert runs and any(runs[0].rglob("*.wandb"))
+
+
+def test_bad_inputs_are_clear_errors(workspace, tmp_path):
+    cfg = _cfg(workspace, tmp_path, "train.max_steps=1")
+    with pytest.raises(StageError, match="do not fit in one batch"):
+        train_stage.run_train(_cfg(workspace, tmp_path, "train.batch_tokens=16"))
+    with pytest.raises(ArtifactError, match=r"aux layers \[1, 2, 3\] but this run uses \[1, 2\]"):
+        train_stage.run_train(_cfg(workspace, tmp_path, "collect.aux_layer_ids=[1,2]"))
+    shutil.rmtree(cfg.run_path / "features")
+    with pytest.raises(StageError, match="no feature store"):
+        train_stage.run_train(cfg)
+    train_stage.run_train(_cfg(workspace, tmp_path / "done", "train.max_steps=1"))
+    with pytest.raises(StageError, match="already holds a finished training run"):
+        train_stage.run_train(_cfg(workspace, tmp_path / "done", "train.max_steps=1"))
