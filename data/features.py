@@ -141,13 +141,20 @@ class FeatureSource(Protocol):
     def load_batch(self, indices: Sequence[int]) -> dict[str, Any]: ...
 
 
-def iterate_batches(source: FeatureSource, batch_tokens: int, split: str | None = "train", seed: int = 0,
-                    epoch: int = 0, rank: int = 0, world: int = 1, shuffle: bool = True) -> Iterator[dict[str, Any]]:
-    """Length-bucketed padded batches of `source`, reshuffled per epoch, sharded across data-parallel ranks."""
+def plan_batches(source: FeatureSource, batch_tokens: int, split: str | None = "train", seed: int = 0, epoch: int = 0,
+                 rank: int = 0, world: int = 1, shuffle: bool = True) -> list[list[int]]:
+    """This rank's batches (lists of sample indices) of one epoch: length-bucketed within `batch_tokens`,
+    reshuffled per (seed, epoch), sharded across data-parallel ranks. Cheap: no features are read."""
     pool = [i for i, m in enumerate(source.meta) if split is None or m["split"] == split]
     batches = length_batches([source.lengths[i] for i in pool], batch_tokens, shuffle, seed * 100_003 + epoch)
-    for batch in shard_for_rank(batches, rank, world):
-        yield source.load_batch([pool[j] for j in batch])
+    return [[pool[j] for j in b] for b in shard_for_rank(batches, rank, world)]
+
+
+def iterate_batches(source: FeatureSource, batch_tokens: int, split: str | None = "train", seed: int = 0,
+                    epoch: int = 0, rank: int = 0, world: int = 1, shuffle: bool = True) -> Iterator[dict[str, Any]]:
+    """The padded batches of `plan_batches`, loaded one at a time."""
+    for indices in plan_batches(source, batch_tokens, split, seed, epoch, rank, world, shuffle):
+        yield source.load_batch(indices)
 
 
 class OnlineFeatureSource:

@@ -66,11 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     from data.artifacts import ArtifactError
     from data.chat import ChatTemplateError
+    from data.features import FeatureError
     from data.sources import SourceError
-    from pipeline.prepare import StageError
+    from pipeline.errors import StageError
     from pipeline.target import TargetError
 
-    expected = (ConfigError, ArtifactError, ChatTemplateError, SourceError, StageError, TargetError)
+    expected = (ConfigError, ArtifactError, ChatTemplateError, FeatureError, SourceError, StageError, TargetError)
     try:
         cfg = load_config(args.config, args.overrides)
         from pipeline.dist import dist_state

@@ -24,7 +24,7 @@ from data.features import FeatureCapture, length_batches, right_pad
 from pipeline.config import RunConfig
 from pipeline.console import console, counts_table
 from pipeline.dist import dist_state
-from pipeline.prepare import StageError
+from pipeline.errors import StageError
 from pipeline.resume import PlanMismatch, start_or_resume
 from pipeline.target import load_target
 

@@ -169,7 +169,13 @@ class TrainConfig(Section):
     num_layers: int = Field(1, ge=1)
     """Drafter decoder layers (SGLang serves only 1)."""
     intermediate_size: int | None = None
-    """Drafter MLP width; None = the target's."""
+    """Drafter MLP width; None = the target's. (The hidden size is always the target's: the embedding is shared.)"""
+    num_attention_heads: int | None = None
+    """Drafter attention heads; None = the target's."""
+    num_key_value_heads: int | None = None
+    """Drafter KV heads (GQA); None = the target's."""
+    head_dim: int | None = None
+    """Drafter head size; None = the target's."""
     batch_tokens: int = Field(4096, ge=16)
     """Padded tokens per micro-batch (per rank)."""
     gradient_accumulation: int = Field(1, ge=1)

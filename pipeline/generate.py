@@ -34,7 +34,7 @@ from data.records import build_record, holdout_split
 from data.synthesis import PromptFilter
 from pipeline.config import RunConfig
 from pipeline.console import console, counts_table
-from pipeline.prepare import StageError
+from pipeline.errors import StageError
 from pipeline.resume import PlanMismatch, start_or_resume
 from pipeline.target import load_model, load_tokenizer, pick_device, resolve_target
 

@@ -16,13 +16,10 @@ from data.records import build_record, holdout_split
 from data.sources import iter_conversations
 from pipeline.config import RunConfig
 from pipeline.console import console, counts_table
+from pipeline.errors import StageError
 from pipeline.target import load_target
 
 log = logging.getLogger(__name__)
-
-
-class StageError(RuntimeError):
-    """A stage cannot run with this configuration or these inputs."""
 
 
 def fresh_dir(path: Path) -> Path:

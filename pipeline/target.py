@@ -185,17 +185,22 @@ def _read_template(text: str) -> str:
     return text
 
 
-def load_tokenizer(cfg: ModelConfig, spec: TargetSpec | None = None):
-    from transformers import AutoTokenizer
-
-    spec = spec or resolve_target(cfg)
+def _location_kwargs(spec: TargetSpec) -> dict[str, Any]:
+    """from_pretrained arguments that say which files of `spec.location` to read."""
     kwargs: dict[str, Any] = {}
     if spec.gguf_file:
         kwargs["gguf_file"] = spec.gguf_file
     if spec.revision:
         kwargs["revision"] = spec.revision
+    return kwargs
+
+
+def load_tokenizer(cfg: ModelConfig, spec: TargetSpec | None = None):
+    from transformers import AutoTokenizer
+
+    spec = spec or resolve_target(cfg)
     try:
-        tok = AutoTokenizer.from_pretrained(spec.location, **kwargs)
+        tok = AutoTokenizer.from_pretrained(spec.location, **_location_kwargs(spec))
     except OSError as exc:
         raise TargetError(f"could not load the tokenizer of {spec.name!r}: {exc}") from exc
     if cfg.chat_template:
@@ -264,12 +269,7 @@ def load_config_of(cfg: ModelConfig, spec: TargetSpec | None = None):
     from transformers import AutoConfig
 
     spec = spec or resolve_target(cfg)
-    kwargs: dict[str, Any] = {}
-    if spec.gguf_file:
-        kwargs["gguf_file"] = spec.gguf_file
-    if spec.revision:
-        kwargs["revision"] = spec.revision
-    return AutoConfig.from_pretrained(spec.location, **kwargs)
+    return AutoConfig.from_pretrained(spec.location, **_location_kwargs(spec))
 
 
 def load_head_weights(cfg: ModelConfig, model=None) -> tuple[Any, torch.Tensor, torch.Tensor]:

@@ -27,14 +27,14 @@ from tqdm.auto import tqdm
 
 from data.artifacts import atomic_write_text, write_manifest
 from data.feature_store import FeatureStore
-from data.features import FeatureSource, OnlineFeatureSource, length_batches, resolve_aux_ids, shard_for_rank
+from data.features import FeatureSource, OnlineFeatureSource, plan_batches, resolve_aux_ids
 from drafters.objectives import ObjectiveSettings, summarize
 from drafters.registry import get_family
 from drafters.vocab import select_draft_vocab
 from pipeline.collect import input_records
 from pipeline.config import RunConfig
 from pipeline.console import console
-from pipeline.prepare import StageError
+from pipeline.errors import StageError
 from pipeline.target import load_config_of, load_head_weights, load_target, resolve_target
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,7 @@ def token_counts(source: FeatureSource, vocab_size: int) -> torch.Tensor:
 
 
 def plan_epoch(source: FeatureSource, cfg: RunConfig, epoch: int, rank: int, world: int, split: str = "train") -> list[list[int]]:
-    pool = [i for i, m in enumerate(source.meta) if m["split"] == split]
-    batches = length_batches([source.lengths[i] for i in pool], cfg.train.batch_tokens, shuffle=split == "train",
-                             seed=cfg.seed * 100_003 + epoch)
-    return [[pool[j] for j in b] for b in shard_for_rank(batches, rank, world)]
+    return plan_batches(source, cfg.train.batch_tokens, split, cfg.seed, epoch, rank, world, shuffle=split == "train")
 
 
 # ---------------------------------------------------------------------------------------- the trainer
@@ -177,7 +174,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = self.family.model_class.from_target(
             target_config, self.aux_ids, self.draft_vocab_size, embed, d2t, t2d,
-            num_layers=t.num_layers, intermediate_size=t.intermediate_size,
+            num_layers=t.num_layers, intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim,
         )
         self.head_weight = head.to(self.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32)
         self.settings = ObjectiveSettings(t.ttt_steps, t.step_decay, t.loss, t.temperature, t.confidence_weight,

@@ -15,7 +15,8 @@ from data.artifacts import ArtifactError, read_records
 from data.feature_store import FeatureStore
 from data.features import FeatureCapture, OnlineFeatureSource, iterate_batches
 from pipeline.config import load_config
-from pipeline.prepare import StageError, run_prepare
+from pipeline.errors import StageError
+from pipeline.prepare import run_prepare
 from pipeline.target import load_target
 
 DOMAINS = ["math", "code", "chat"]

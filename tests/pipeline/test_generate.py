@@ -11,7 +11,8 @@ from data.artifacts import read_records
 from data.chat import prompt_ids, stop_token_ids, tokenize_conversation
 from data.generation import HFGenerator, Sampling, cut_at_stop
 from pipeline.config import load_config
-from pipeline.prepare import StageError, run_prepare
+from pipeline.errors import StageError
+from pipeline.prepare import run_prepare
 from pipeline.tiny import tiny_llama
 
 PROMPTS = [

@@ -7,7 +7,8 @@ import pytest
 from data.artifacts import ArtifactError, read_records
 from pipeline.cli import main
 from pipeline.config import load_config
-from pipeline.prepare import StageError, run_prepare
+from pipeline.errors import StageError
+from pipeline.prepare import run_prepare
 
 CONVS = [
     {"id": f"c{i}", "messages": [

@@ -16,7 +16,8 @@ import pipeline.train as train_stage
 from data.artifacts import ArtifactError
 from pipeline.collect import run_collect
 from pipeline.config import load_config
-from pipeline.prepare import StageError, run_prepare
+from pipeline.errors import StageError
+from pipeline.prepare import run_prepare
 from pipeline.tiny import save_tiny_target
 
 WORKER = Path(__file__).with_name("train_worker.py")
