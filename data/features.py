@@ -53,6 +53,37 @@ def resolve_aux_ids(aux_ids: Sequence[int] | None, num_layers: int) -> list[int]
     return ids
 
 
+class AuxHooks:
+    """Context manager that records the hidden states at `aux_ids` during any forward of the model's decoder
+    (index i < L: the input of layer i, via a pre-hook; index L: the final norm's output)."""
+
+    def __init__(self, base, aux_ids: Sequence[int]):
+        self.base, self.aux_ids = base, list(aux_ids)
+        self.captured: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> dict[int, torch.Tensor]:
+        L = len(self.base.layers)
+        for i in self.aux_ids:
+            if i < L:
+                def hook(_module, args, kwargs, i=i):
+                    self.captured[i] = args[0] if args else kwargs["hidden_states"]
+
+                self._handles.append(self.base.layers[i].register_forward_pre_hook(hook, with_kwargs=True))
+            else:
+                self._handles.append(self.base.norm.register_forward_hook(
+                    lambda _m, _a, out, i=i: self.captured.__setitem__(i, out)))
+        return self.captured
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def concat(self) -> torch.Tensor:
+        return torch.cat([self.captured[i] for i in self.aux_ids], dim=-1)
+
+
 class FeatureCapture:
     """Runs the target's decoder once and returns (aux, final): aux = the concatenated hidden states at
     `aux_ids` [B, T, n_aux*H], final = the last normed hidden state [B, T, H]."""
@@ -66,27 +97,10 @@ class FeatureCapture:
 
     @torch.no_grad()  # not inference_mode: online training feeds these tensors into autograd
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        captured: dict[int, torch.Tensor] = {}
-
-        def grab(index):
-            def hook(_module, args, kwargs):
-                captured[index] = args[0] if args else kwargs["hidden_states"]
-
-            return hook
-
-        handles = [
-            self.base.layers[i].register_forward_pre_hook(grab(i), with_kwargs=True)
-            for i in self.aux_ids
-            if i < self.num_layers
-        ]
-        try:
+        hooks = AuxHooks(self.base, self.aux_ids)
+        with hooks:
             out = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()
-        final = out.last_hidden_state
-        aux = torch.cat([final if i == self.num_layers else captured[i] for i in self.aux_ids], dim=-1)
-        return aux, final
+        return hooks.concat(), out.last_hidden_state
 
 
 # ------------------------------------------------------------------------------------------- batching

@@ -1,0 +1,114 @@
+"""Drafters as the decoding engine sees them: propose up to k tokens (with the distributions they were
+sampled from), then learn what the target committed.
+
+- `NoDraft`: plain decoding (τ = 1 by construction).
+- `PromptLookup`: the no-training baseline: continue the longest recent n-gram match from the context.
+- `Eagle3Proposer`: a trained EAGLE-3 drafter with its own KV cache, fed the target's aux features of every
+  verified position and rolled back after rejections; optional adaptive draft length from its confidence head.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from drafters.vocab import draft_to_target_ids
+from eval.sampling import SamplingParams, probs_from_logits, sample
+
+
+class NoDraft:
+    name = "none"
+    needs_features = False
+
+    def start(self, prompt: Sequence[int], first: int, feats) -> None:
+        pass
+
+    def propose(self, history: Sequence[int], k: int, params: SamplingParams, gen) -> tuple[list[int], torch.Tensor | None, list[float]]:
+        return [], None, []
+
+    def commit(self, drafts: Sequence[int], n: int, new: int, feats) -> None:
+        pass
+
+
+class PromptLookup(NoDraft):
+    """Deterministic proposals (q is one-hot on the drafted token), as in prompt-lookup decoding."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, history, k, params, gen):
+        seq = list(history)
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            tail = seq[-n:]
+            # most recent earlier occurrence of the last n tokens
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start:start + n] == tail:
+                    follow = seq[start + n:start + n + k]
+                    if follow:
+                        return follow, None, []
+        return [], None, []
+
+
+class Eagle3Proposer:
+    name = "eagle3"
+    needs_features = True
+
+    def __init__(self, drafter, confidence_threshold: float | None = None):
+        self.drafter = drafter.eval()
+        self.device = next(drafter.parameters()).device
+        self.ids = draft_to_target_ids(drafter.d2t).to(self.device)
+        self.vocab = drafter.config.vocab_size
+        self.threshold = confidence_threshold
+        self.aux_ids = drafter.config.aux_layer_ids
+
+    def _extend(self, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        """Append step-0 entries (target features of verified positions + the tokens that follow them)."""
+        n = len(next_tokens)
+        pos = torch.arange(self.ctx, self.ctx + n, device=self.device).unsqueeze(0)
+        toks = torch.tensor([list(next_tokens)], device=self.device)
+        logits, conf, h = self.drafter.decode(feats.unsqueeze(0).to(self.device), toks, pos, self.cache, from_target=True)
+        self.ctx += n
+        self.last = (logits[0, -1], conf[0, -1], h[:, -1:])
+
+    @torch.no_grad()
+    def start(self, prompt, first, feats):
+        self.cache = self.drafter.new_cache()
+        self.ctx = 0
+        self._extend(feats, list(prompt[1:]) + [first])
+
+    @torch.no_grad()
+    def propose(self, history, k, params, gen):
+        logits, conf, h = self.last
+        drafts, qs, confs = [], [], []
+        survival = 1.0
+        for i in range(k):
+            c = float(torch.sigmoid(conf))
+            # adaptive length: whether to draft position i uses only what precedes it (non-anticipating)
+            if self.threshold is not None and i > 0 and survival * c < self.threshold:
+                break
+            survival *= c
+            if params.greedy:
+                x = int(self.ids[logits.argmax()])
+                q = None
+            else:
+                qd = probs_from_logits(logits, params)
+                q = torch.zeros(self.vocab, device=self.device, dtype=qd.dtype)
+                q[self.ids] = qd
+                x = sample(q, gen)
+                qs.append(q)
+            drafts.append(x)
+            confs.append(c)
+            if i + 1 < k:
+                tok = torch.tensor([[x]], device=self.device)
+                pos = torch.tensor([[self.ctx + i]], device=self.device)
+                out, cf, h = self.drafter.decode(h, tok, pos, self.cache, from_target=False)
+                logits, conf = out[0, 0], cf[0, 0]
+        return drafts, (torch.stack(qs) if qs else None), confs
+
+    @torch.no_grad()
+    def commit(self, drafts, n, new, feats):
+        self.cache.crop(self.ctx)  # drop the entries of this round's drafting steps
+        self._extend(feats, list(drafts[:n]) + [new])
