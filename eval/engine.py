@@ -34,7 +34,7 @@ class DecodeResult:
 
 def _one_hot(drafts: Sequence[int], vocab: int, device) -> torch.Tensor:
     q = torch.zeros(len(drafts), vocab, device=device)
-    q[torch.arange(len(drafts)), torch.tensor(list(drafts))] = 1.0
+    q[torch.arange(len(drafts)), torch.tensor(list(drafts), dtype=torch.long)] = 1.0
     return q
 
 

@@ -30,6 +30,10 @@ def _stage(name: str):
         from pipeline.train import run_train
 
         return run_train
+    if name == "eval":
+        from pipeline.evaluate import run_eval
+
+        return run_eval
     raise KeyError(name)
 
 
@@ -38,6 +42,7 @@ STAGES = {
     "generate": "regenerate every assistant turn with the target (on-policy), optionally self-synthesizing prompts",
     "collect": "run the target over the records and store its aux-layer and final hidden states (feature store)",
     "train": "train the drafter (EAGLE-3 with training-time test) on the features, with accelerate / DeepSpeed",
+    "eval": "measure acceptance length per domain and speedup with the exact speculative-decoding verifier",
 }
 
 
@@ -55,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="key.path=value overrides applied on top of the YAML")
         if name == "train":
             p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR/train")
+        if name == "eval":
+            p.add_argument("--drafter", metavar="DIR", help="trained drafter directory (default RUN_DIR/train/best)")
+            p.add_argument("--datasets", metavar="A,B", help="builtin prompt sets, e.g. mtbench,humaneval (overrides eval.sources)")
+            p.add_argument("--temperature", metavar="T,T", help="temperatures, e.g. 0,1 (overrides eval.temperatures)")
         if name == "collect":
             p.add_argument("--verify", type=int, default=0, metavar="N",
                            help="afterwards, recompute N random stored samples and fail above collect.verify_tolerance")
@@ -73,12 +82,19 @@ def main(argv: list[str] | None = None) -> int:
 
     expected = (ConfigError, ArtifactError, ChatTemplateError, FeatureError, SourceError, StageError, TargetError)
     try:
-        cfg = load_config(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if args.stage == "eval":
+            if args.datasets:
+                overrides.append("eval.sources=[" + ",".join(f"{{builtin: {d.strip()}}}" for d in args.datasets.split(",")) + "]")
+            if args.temperature:
+                overrides.append(f"eval.temperatures=[{args.temperature}]")
+        cfg = load_config(args.config, overrides)
         from pipeline.dist import dist_state
 
         if dist_state().is_main_process:
             save_config(cfg, cfg.run_path / "config.yaml")
-        extra = {"verify": args.verify} if args.stage == "collect" else {"resume": args.resume} if args.stage == "train" else {}
+        extra = {"collect": {"verify": getattr(args, "verify", 0)}, "train": {"resume": getattr(args, "resume", False)},
+                 "eval": {"drafter": getattr(args, "drafter", None)}}.get(args.stage, {})
         _stage(args.stage)(cfg, **extra)
     except expected as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)

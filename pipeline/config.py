@@ -216,13 +216,29 @@ class TrainConfig(Section):
 
 class EvalConfig(Section):
     sources: list[SourceConfig] = [SourceConfig(builtin="mtbench"), SourceConfig(builtin="humaneval")]
-    """Prompt sets to evaluate on, with their domain labels."""
+    """Prompt sets to evaluate on (first user turn of each record), with their domain labels."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Use at most this many prompts per source."""
     temperatures: list[float] = [0.0, 1.0]
-    """Sampling temperatures to evaluate at."""
+    """Sampling temperatures to evaluate at (0 = greedy)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus cutoff, applied identically to target and drafter."""
+    top_k: int = Field(0, ge=0)
+    """Top-k cutoff (0: off), applied identically to target and drafter."""
     draft_length: int = Field(5, ge=1)
     """Chain draft length γ."""
     max_new_tokens: int = Field(256, ge=1)
     """Tokens generated per prompt."""
+    drafters: list[Literal["trained", "prompt_lookup", "none"]] = ["none", "prompt_lookup", "trained"]
+    """What to evaluate; plain decoding (`none`) always runs as the speedup baseline."""
+    drafter_path: str | None = None
+    """Trained drafter directory; None: RUN_DIR/train/best, else RUN_DIR/train/final."""
+    confidence_threshold: float | None = Field(None, gt=0.0, lt=1.0)
+    """Adaptive draft length: stop drafting once the product of confidences falls below this (None: off)."""
+    prompt_lookup_max_ngram: int = Field(3, ge=1)
+    """Longest n-gram the prompt-lookup baseline matches."""
+    seed: int = 0
+    """Seed of the sampling generator."""
 
 
 class ExportConfig(Section):

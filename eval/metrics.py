@@ -1,0 +1,68 @@
+"""Acceptance metrics from per-round logs: τ, per-position acceptance, survival, calibration (ECE)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from eval.engine import DecodeResult
+
+
+def acceptance_stats(results: Sequence[DecodeResult], gamma: int) -> dict[str, Any]:
+    rounds = [r for res in results for r in res.rounds]
+    tokens = sum(len(res.tokens) for res in results)
+    seconds = sum(res.seconds for res in results)
+    out: dict[str, Any] = {
+        "prompts": len(results),
+        "rounds": len(rounds),
+        "tau": sum(a + 1 for _, a in rounds) / len(rounds) if rounds else None,
+        "drafted": sum(d for d, _ in rounds),
+        "accepted": sum(a for _, a in rounds),
+        "target_passes": sum(res.target_passes for res in results),
+        "new_tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+    }
+    # position i (1-based) is reached when i-1 drafts were accepted and at least i were drafted
+    per_pos, survival = [], []
+    for i in range(1, gamma + 1):
+        reached = sum(1 for d, a in rounds if d >= i and a >= i - 1)
+        kept = sum(1 for d, a in rounds if a >= i)
+        per_pos.append(kept / reached if reached else None)
+        survival.append(kept / len(rounds) if rounds else None)
+    out["acceptance_by_position"] = per_pos
+    out["survival"] = survival
+    return out
+
+
+def calibration(results: Sequence[DecodeResult], bins: int = 10) -> dict[str, Any] | None:
+    """ECE of per-position confidences against acceptance (given the previous drafts were accepted), and of
+    the cumulative survival Π c_j against 'all drafts up to i accepted'. None when the drafter has no confidences."""
+    pos_pairs, surv_pairs = [], []
+    for res in results:
+        for confs, (_, a) in zip(res.confidences, res.rounds):
+            s = 1.0
+            for i, c in enumerate(confs, start=1):
+                if i - 1 <= a:  # reached: every earlier draft was accepted
+                    pos_pairs.append((c, float(a >= i)))
+                s *= c
+                surv_pairs.append((s, float(a >= i)))
+    if not pos_pairs:
+        return None
+
+    def ece(pairs):
+        table = []
+        total = 0.0
+        for b in range(bins):
+            lo, hi = b / bins, (b + 1) / bins
+            inside = [(c, y) for c, y in pairs if lo <= c < hi or (b == bins - 1 and c == 1.0)]
+            if not inside:
+                continue
+            conf = sum(c for c, _ in inside) / len(inside)
+            acc = sum(y for _, y in inside) / len(inside)
+            total += len(inside) / len(pairs) * abs(conf - acc)
+            table.append({"bin": [lo, hi], "count": len(inside), "confidence": conf, "accuracy": acc})
+        return total, table
+
+    e, table = ece(pos_pairs)
+    se, stable = ece(surv_pairs)
+    return {"ece": e, "reliability": table, "survival_ece": se, "survival_reliability": stable, "positions": len(pos_pairs)}

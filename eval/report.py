@@ -1,0 +1,88 @@
+"""eval.json -> a Markdown table (console + report.md) and PNG plots (τ by domain, survival, reliability)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def markdown_table(ev: dict[str, Any]) -> str:
+    lines = []
+    for run in ev["runs"]:
+        lines.append(f"### T = {run['temperature']}, chain γ = {ev['settings']['draft_length']}, "
+                     f"max_new_tokens = {ev['settings']['max_new_tokens']}")
+        drafters = [d for d in run["drafters"] if d != "none"]
+        head = "| domain | prompts | plain tok/s | " + " | ".join(f"{d} τ | {d} speedup" for d in drafters) + " |"
+        lines += [head, "|" + "---|" * (3 + 2 * len(drafters))]
+        for domain, row in run["domains"].items():
+            plain = row["none"]
+            cells = [domain, str(plain["prompts"]), f"{plain['tokens_per_s']:.1f}"]
+            for d in drafters:
+                s = row[d]
+                cells += [f"{s['tau']:.2f}" if s["tau"] else "-", f"{s['speedup']:.2f}x" if s.get("speedup") else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+        if run.get("greedy_divergence"):
+            lines.append("")
+            lines.append("Greedy outputs differing from plain decoding (floating-point near-ties): " + ", ".join(
+                f"{d}: {v['prompts']}/{v['of']}" for d, v in run["greedy_divergence"].items()))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plots(ev: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for run in ev["runs"]:
+        tag = f"T{run['temperature']:g}"
+        domains = list(run["domains"])
+        drafters = [d for d in run["drafters"] if d != "none"]
+        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(domains)), 4))
+        width = 0.8 / max(1, len(drafters))
+        for j, d in enumerate(drafters):
+            ax.bar([i + j * width for i in range(len(domains))], [run["domains"][k][d]["tau"] or 0 for k in domains],
+                   width, label=d)
+        ax.set_xticks([i + width * (len(drafters) - 1) / 2 for i in range(len(domains))], domains, rotation=30, ha="right")
+        ax.set_ylabel("acceptance length τ")
+        ax.set_title(f"τ by domain ({tag})")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"tau_by_domain_{tag}.png", dpi=110)
+        plt.close(fig)
+        written.append(f"tau_by_domain_{tag}.png")
+
+        fig, ax = plt.subplots(figsize=(5, 4))
+        for d in drafters:
+            surv = run["overall"][d]["survival"]
+            ax.plot(range(1, len(surv) + 1), surv, marker="o", label=d)
+        ax.set_xticks(range(1, ev["settings"]["draft_length"] + 1))
+        ax.set_xlabel("draft position i")
+        ax.set_ylabel("P(first i drafts accepted)")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"survival ({tag})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"survival_{tag}.png", dpi=110)
+        plt.close(fig)
+        written.append(f"survival_{tag}.png")
+
+        calib = {d: run["overall"][d].get("calibration") for d in drafters if run["overall"][d].get("calibration")}
+        if calib:
+            fig, ax = plt.subplots(figsize=(4.5, 4.5))
+            ax.plot([0, 1], [0, 1], color="gray", lw=0.8)
+            for d, c in calib.items():
+                ax.plot([b["confidence"] for b in c["reliability"]], [b["accuracy"] for b in c["reliability"]], marker="o",
+                        label=f"{d} (ECE {c['ece']:.3f})")
+            ax.set_xlabel("confidence")
+            ax.set_ylabel("accepted fraction")
+            ax.set_title(f"reliability ({tag})")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(out / f"reliability_{tag}.png", dpi=110)
+            plt.close(fig)
+            written.append(f"reliability_{tag}.png")
+    return written

@@ -1,0 +1,147 @@
+"""`draftsmith eval`: acceptance length per domain and real speedup, with the exact verifier.
+
+For every prompt, plain decoding, the prompt-lookup baseline and the trained drafter run back to back on
+the same target in the same process, so speedups compare like with like. Output: RUN_DIR/eval/eval.json
+(every number with its settings), report.md (also printed) and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from data.artifacts import read_manifest, write_manifest
+from data.chat import prompt_ids, stop_token_ids
+from data.sources import iter_conversations
+from drafters.registry import load_drafter
+from eval.engine import decode
+from eval.metrics import acceptance_stats, calibration
+from eval.proposers import Eagle3Proposer, NoDraft, PromptLookup
+from eval.report import markdown_table, plots
+from eval.runner import HFTarget
+from eval.sampling import SamplingParams
+from pipeline.config import RunConfig
+from pipeline.console import console
+from pipeline.errors import StageError
+from pipeline.target import load_target
+
+log = logging.getLogger(__name__)
+
+
+def eval_prompts(cfg: RunConfig, tok) -> list[dict[str, Any]]:
+    prompts = []
+    for src in cfg.eval.sources:
+        counts: Counter = Counter()
+        n = 0
+        for conv in iter_conversations(src, counts):
+            if cfg.eval.max_prompts is not None and n >= cfg.eval.max_prompts:
+                break
+            first_reply = next(i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant")
+            prompts.append({"id": conv["id"], "domain": conv["domain"], "ids": prompt_ids(tok, conv["messages"][:first_reply])})
+            n += 1
+        if n == 0:
+            raise StageError(f"eval source {src.name} yielded no prompt (counts: {dict(counts)})")
+    return prompts
+
+
+def find_drafter(cfg: RunConfig) -> Path:
+    if cfg.eval.drafter_path:
+        path = Path(cfg.eval.drafter_path)
+    else:
+        train = cfg.run_path / "train"
+        path = train / "best" if (train / "best" / "config.json").is_file() else train / "final"
+    if not (path / "config.json").is_file():
+        raise StageError(f"no trained drafter at {path}; run `draftsmith train`, pass --drafter DIR, or set eval.drafters")
+    return path
+
+
+def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
+    e = cfg.eval
+    if drafter:
+        cfg = cfg.model_copy(update={"eval": e.model_copy(update={"drafter_path": drafter})})
+        e = cfg.eval
+    target = load_target(cfg.model)
+    model, tok = target.model, target.tokenizer
+    stops = stop_token_ids(tok, model)
+    proposers: dict[str, Any] = {"none": NoDraft()}
+    if "prompt_lookup" in e.drafters:
+        proposers["prompt_lookup"] = PromptLookup(e.prompt_lookup_max_ngram)
+    drafter_info = None
+    if "trained" in e.drafters:
+        path = find_drafter(cfg)
+        manifest_dir = path.parent
+        if (manifest_dir / "manifest.json").is_file():
+            trained_for = read_manifest(manifest_dir, "drafter")["target"]
+            if trained_for.get("sha256") != target.identity.get("sha256") or trained_for.get("name") != target.identity.get("name"):
+                raise StageError(f"the drafter in {path} was trained for {trained_for}, not this target {target.identity}")
+        try:
+            d = load_drafter(path).to(target.device, model.dtype)
+        except (ValueError, KeyError, OSError) as exc:
+            raise StageError(f"cannot load the drafter in {path}: {exc}") from None
+        proposers[d.name] = Eagle3Proposer(d, e.confidence_threshold)
+        drafter_info = {"path": str(path), "family": d.name, "aux_layer_ids": d.config.aux_layer_ids}
+    plain = HFTarget(model)
+    with_features = HFTarget(model, aux_ids=drafter_info["aux_layer_ids"]) if drafter_info else None
+    prompts = eval_prompts(cfg, tok)
+    log.info("eval: %d prompts, drafters %s, temperatures %s", len(prompts), list(proposers), e.temperatures)
+
+    runs = []
+    for temperature in e.temperatures:
+        params = SamplingParams(temperature, e.top_p, e.top_k)
+        gen = torch.Generator().manual_seed(e.seed)
+        by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        diverged: Counter = Counter()
+        for p in tqdm(prompts, desc=f"eval T={temperature}", unit="prompt"):
+            outputs = {}
+            for name, proposer in proposers.items():
+                runner = with_features if getattr(proposer, "needs_features", False) else plain
+                res = decode(runner, proposer, p["ids"], params, e.draft_length, e.max_new_tokens, stops, gen)
+                by[p["domain"]][name].append(res)
+                outputs[name] = res.tokens
+            if params.greedy:
+                for name, toks in outputs.items():
+                    diverged[name] += toks != outputs["none"]
+        domains = {}
+        for domain, per in by.items():
+            row = {name: acceptance_stats(results, e.draft_length) for name, results in per.items()}
+            for name in row:
+                if name != "none" and row["none"]["tokens_per_s"]:
+                    row[name]["speedup"] = row[name]["tokens_per_s"] / row["none"]["tokens_per_s"]
+            domains[domain] = row
+        overall = {}
+        for name in proposers:
+            results = [r for per in by.values() for r in per[name]]
+            overall[name] = acceptance_stats(results, e.draft_length)
+            overall[name]["calibration"] = calibration(results)
+            if name != "none":
+                overall[name]["speedup"] = overall[name]["tokens_per_s"] / overall["none"]["tokens_per_s"]
+        run = {"temperature": temperature, "drafters": list(proposers), "domains": domains, "overall": overall}
+        if params.greedy:
+            run["greedy_divergence"] = {n: {"prompts": diverged[n], "of": len(prompts)} for n in proposers if n != "none"}
+        runs.append(run)
+
+    out = cfg.run_path / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    ev = {
+        "target": target.identity,
+        "drafter": drafter_info,
+        "settings": {**e.model_dump(mode="json"), "device": str(target.device), "dtype": str(model.dtype),
+                     "prompts": len(prompts)},
+        "runs": runs,
+    }
+    (out / "eval.json").write_text(json.dumps(ev, indent=2))
+    table = markdown_table(ev)
+    written = plots(ev, out)
+    (out / "report.md").write_text(f"# draftsmith eval\n\nTarget: `{target.identity['name']}`; drafter: "
+                                   f"`{drafter_info['path'] if drafter_info else 'none'}`; device {target.device}, "
+                                   f"{model.dtype}; {len(prompts)} prompts.\n\n{table}\n"
+                                   + "".join(f"\n![{w}]({w})\n" for w in written))
+    write_manifest(out, "eval", target=target.identity, drafter=drafter_info, files=["eval.json", "report.md", *written])
+    console.print(table, highlight=False)
+    return out

@@ -1,0 +1,50 @@
+"""`draftsmith eval` end to end on a tiny target: a trained drafter, prompt lookup and plain decoding,
+greedy and sampled, with eval.json / report.md / plots, and exactness visible in the report."""
+
+import json
+
+from pipeline.cli import main
+from pipeline.collect import run_collect
+from pipeline.config import load_config
+from pipeline.prepare import run_prepare
+from pipeline.tiny import save_tiny_target
+from pipeline.train import run_train
+
+
+def test_eval_stage(tmp_path):
+    target = save_tiny_target(tmp_path / "target", seed=0, num_layers=4)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "category": ["math", "code"][i % 2], "messages": [
+        {"role": "user", "content": f"Question {i}: what is {i} plus one? " * (1 + i % 3)},
+        {"role": "assistant", "content": f"The answer is {i + 1}. The answer is {i + 1}."}]}) + "\n" for i in range(8)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"model: {{target: {target}, dtype: float64}}\n"
+        f"data: {{sources: [{{path: {data}, domain_field: category}}], holdout_fraction: 0.3}}\n"
+        "collect: {aux_layer_ids: [1, 2, 4], dtype: float32}\n"
+        "train: {max_steps: 3, batch_tokens: 256, draft_vocab_size: 300, ttt_steps: 2, eval_every: 1000}\n"
+        f"eval: {{sources: [{{path: {data}, domain_field: category}}], max_new_tokens: 12, draft_length: 3}}\n"
+    )
+    cfg = load_config(recipe, [f"run_dir={tmp_path / 'run'}"])
+    run_prepare(cfg)
+    run_collect(cfg)
+    run_train(cfg)
+    assert main(["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0,1"]) == 0
+    out = tmp_path / "run" / "eval"
+    ev = json.loads((out / "eval.json").read_text())
+    assert [r["temperature"] for r in ev["runs"]] == [0.0, 1.0]
+    for run in ev["runs"]:
+        assert set(run["domains"]) == {"math", "code"}
+        assert run["drafters"] == ["none", "prompt_lookup", "eagle3"]
+        for row in run["domains"].values():
+            assert row["none"]["tau"] == 1.0 and row["none"]["drafted"] == 0
+            assert row["none"]["target_passes"] == row["none"]["rounds"] + row["none"]["prompts"]
+            e3 = row["eagle3"]
+            assert e3["tau"] == (e3["accepted"] + e3["rounds"]) / e3["rounds"]
+            assert e3["speedup"] > 0 and len(e3["survival"]) == 3
+        assert run["overall"]["eagle3"]["calibration"]["positions"] > 0
+    # float64 target: greedy speculative decoding reproduces plain decoding exactly
+    assert ev["runs"][0]["greedy_divergence"] == {"prompt_lookup": {"prompts": 0, "of": 8}, "eagle3": {"prompts": 0, "of": 8}}
+    for f in ("report.md", "tau_by_domain_T0.png", "survival_T1.png", "reliability_T0.png", "manifest.json"):
+        assert (out / f).is_file(), f
+    assert "| math |" in (out / "report.md").read_text()
