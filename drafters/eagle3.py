@@ -213,6 +213,9 @@ class Eagle3Drafter(nn.Module):
         # engines ignore it, draftsmith's eval uses it for adaptive verification)
         self.confidence = nn.Sequential(nn.Linear(2 * H, cfg.confidence_hidden), nn.SiLU(), nn.Linear(cfg.confidence_hidden, 1))
         self.rotary = LlamaRotaryEmbedding(cfg.layer_config())
+        # An fp32 copy outside the module's buffers: casting the drafter to bf16 must not round the RoPE
+        # frequencies (a 0.1% frequency error shifts attention at long positions).
+        self._inv_freq = self.rotary.inv_freq.detach().float().clone()
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 
@@ -222,7 +225,11 @@ class Eagle3Drafter(nn.Module):
         return [self.midlayer, *self.layers]
 
     def _rope(self, positions: torch.Tensor, like: torch.Tensor):
-        return self.rotary(like, positions)
+        """cos/sin of RoPE at `positions`, computed in fp32 and cast to the activations' dtype."""
+        freqs = positions[..., None].float() * self._inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        scale = self.rotary.attention_scaling
+        return (emb.cos() * scale).to(like.dtype), (emb.sin() * scale).to(like.dtype)
 
     def heads(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft-vocab logits, confidence logit) from pre-norm hidden states and the input tokens."""

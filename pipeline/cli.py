@@ -34,6 +34,14 @@ def _stage(name: str):
         from pipeline.evaluate import run_eval
 
         return run_eval
+    if name == "export":
+        from pipeline.export import run_export
+
+        return run_export
+    if name == "import":
+        from pipeline.export import run_import
+
+        return run_import
     raise KeyError(name)
 
 
@@ -43,6 +51,8 @@ STAGES = {
     "collect": "run the target over the records and store its aux-layer and final hidden states (feature store)",
     "train": "train the drafter (EAGLE-3 with training-time test) on the features, with accelerate / DeepSpeed",
     "eval": "measure acceptance length per domain and speedup with the exact speculative-decoding verifier",
+    "export": "write the drafter for vLLM / SGLang (eagle3/) and in the speculators format (speculators/)",
+    "import": "load an exported drafter directory (--from DIR) back into draftsmith (RUN_DIR/imported)",
 }
 
 
@@ -60,8 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="key.path=value overrides applied on top of the YAML")
         if name == "train":
             p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR/train")
-        if name == "eval":
+        if name in ("eval", "export"):
             p.add_argument("--drafter", metavar="DIR", help="trained drafter directory (default RUN_DIR/train/best)")
+        if name == "import":
+            p.add_argument("--from", dest="source", required=True, metavar="DIR", help="exported drafter directory")
+        if name == "eval":
             p.add_argument("--datasets", metavar="A,B", help="builtin prompt sets, e.g. mtbench,humaneval (overrides eval.sources)")
             p.add_argument("--temperature", metavar="T,T", help="temperatures, e.g. 0,1 (overrides eval.temperatures)")
         if name == "collect":
@@ -94,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         if dist_state().is_main_process:
             save_config(cfg, cfg.run_path / "config.yaml")
         extra = {"collect": {"verify": getattr(args, "verify", 0)}, "train": {"resume": getattr(args, "resume", False)},
-                 "eval": {"drafter": getattr(args, "drafter", None)}}.get(args.stage, {})
+                 "eval": {"drafter": getattr(args, "drafter", None)}, "export": {"drafter": getattr(args, "drafter", None)},
+                 "import": {"source": getattr(args, "source", None)}}.get(args.stage, {})
         _stage(args.stage)(cfg, **extra)
     except expected as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)

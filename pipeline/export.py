@@ -1,0 +1,295 @@
+"""`draftsmith export` / `draftsmith import`: drafters in the layouts serving engines load as they are.
+
+Formats (rules in ../shared/reference/engine-formats.md, re-checked against the engines' loaders):
+- `eagle3/`: one directory both vLLM (`method: eagle3`) and SGLang (`EAGLE3`) load: `midlayer.*` names,
+  `LlamaForCausalLMEagle3`, top-level aux ids in vLLM numbering (HF hidden_states indices) and a nested
+  `eagle_config` copy in SGLang numbering (one lower). SGLang takes exactly 1 layer, 3 aux layers and
+  norm_before_residual=false; a drafter outside that is written for vLLM only, and the SGLang refusal is
+  reported. The embedding is not written: both engines share the target's.
+- `speculators/`: the vllm-project/speculators layout (`Eagle3Speculator`, `layers.N.*`, `embed_tokens`,
+  `t2d`, `d2t`, `speculators_config`), which `vllm serve DIR` serves directly.
+The confidence head is draftsmith's own (adaptive verification in `eval`) and is not exported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from data.artifacts import read_manifest, write_manifest
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.registry import load_drafter
+from pipeline.config import RunConfig
+from pipeline.console import console
+from pipeline.errors import StageError
+from pipeline.target import load_config_of, load_head_weights, resolve_target
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# ------------------------------------------------------------------------------------------ names
+
+
+def _layer_key(key: str, first: str) -> str | None:
+    """Our parameter name -> the exported one; `first` is the name of layer 0 (`midlayer` or `layers.0`).
+    Extra layers (our `layers.j`) become layer j+1. None: not exported."""
+    if key.startswith("confidence.") or key.startswith("rotary."):
+        return None
+    if key.startswith("midlayer."):
+        return first + key[len("midlayer"):]
+    if key.startswith("layers."):
+        _, j, rest = key.split(".", 2)
+        return f"layers.{int(j) + 1}.{rest}"
+    return key
+
+
+def sglang_refusal(cfg: Eagle3Config) -> str | None:
+    """Why SGLang cannot load this drafter, or None."""
+    if cfg.num_layers != 1:
+        return f"SGLang's EAGLE-3 drafter has exactly 1 layer (this one has {cfg.num_layers})"
+    if len(cfg.aux_layer_ids) != 3:
+        return f"SGLang reads exactly 3 aux layers (this drafter uses {len(cfg.aux_layer_ids)})"
+    if cfg.norm_before_residual:
+        return "SGLang implements only norm_before_residual=false"
+    if min(cfg.aux_layer_ids) < 1:
+        return "SGLang numbers aux layers by layer output, so HF index 0 (the embeddings) cannot be expressed"
+    return None
+
+
+def _llama_fields(cfg: Eagle3Config, target_config) -> dict[str, Any]:
+    fields = {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,  # the TARGET vocabulary, as both engines read it
+        "num_hidden_layers": cfg.num_layers,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(target_config, key, None)
+        if value is not None:
+            fields[key] = value
+    return fields
+
+
+def eagle3_engine_files(model: Eagle3Drafter, target_config, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, config.json) of the vLLM/SGLang `eagle3` directory."""
+    cfg = model.config
+    tensors = {}
+    for key, value in model.state_dict().items():
+        name = _layer_key(key, "midlayer")
+        if name is None or name == "embed_tokens.weight":
+            continue
+        tensors[name] = value if key in ("d2t", "t2d") else value.to(dtype)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(cfg, target_config),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": cfg.norm_before_residual,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if len(cfg.aux_layer_ids) != 3:
+        config["num_aux_hidden_states"] = len(cfg.aux_layer_ids)
+    if sglang_refusal(cfg) is None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids]}
+    return tensors, config
+
+
+def speculators_files(model: Eagle3Drafter, target_config, target_name: str, dtype: torch.dtype,
+                      speculative_tokens: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    cfg = model.config
+    tensors = {}
+    for key, value in model.state_dict().items():
+        name = _layer_key(key, "layers.0")
+        if name is None:
+            continue
+        tensors[name] = value if key in ("d2t", "t2d") else value.to(dtype)
+    layer_config = _llama_fields(cfg, target_config)
+    layer_config["architectures"] = ["LlamaForCausalLM"]
+    config = {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "norm_before_residual": cfg.norm_before_residual,  # its loader defaults to true when missing
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target_name,
+                         "architectures": list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])},
+        },
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    return tensors, config
+
+
+def _write(directory: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------------- import
+
+
+def import_drafter(directory: str | Path, embed_weight: torch.Tensor | None = None) -> Eagle3Drafter:
+    """Load an exported directory (eagle3 or speculators layout, or a draftsmith checkpoint) as an Eagle3Drafter.
+    The eagle3 layout carries no embedding: pass the target's (`embed_weight`)."""
+    directory = Path(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    if "drafter" in raw:
+        return load_drafter(directory)
+    speculators = raw.get("speculators_model_type") == "eagle3"
+    if not speculators and "LlamaForCausalLMEagle3" not in raw.get("architectures", []):
+        raise StageError(f"{directory}: not an EAGLE-3 export (architectures {raw.get('architectures')})")
+    lc = raw["transformer_layer_config"] if speculators else raw
+    cfg = Eagle3Config(
+        vocab_size=lc["vocab_size"], draft_vocab_size=raw["draft_vocab_size"], hidden_size=lc["hidden_size"],
+        target_hidden_size=raw["target_hidden_size"], num_attention_heads=lc["num_attention_heads"],
+        num_key_value_heads=lc["num_key_value_heads"], head_dim=lc.get("head_dim") or lc["hidden_size"] // lc["num_attention_heads"],
+        intermediate_size=lc["intermediate_size"], aux_layer_ids=raw["eagle_aux_hidden_state_layer_ids"],
+        rms_norm_eps=lc["rms_norm_eps"], rope_theta=lc.get("rope_theta", 10000.0),
+        max_position_embeddings=lc["max_position_embeddings"], num_layers=lc["num_hidden_layers"],
+        norm_before_residual=raw["norm_before_residual"], hidden_act=lc.get("hidden_act", "silu"),
+    )
+    model = Eagle3Drafter(cfg)
+    first = "layers.0" if speculators else "midlayer"
+    ours = {}
+    for key, value in load_file(str(directory / "model.safetensors")).items():
+        if key.startswith(first + "."):
+            ours["midlayer" + key[len(first):]] = value
+        elif key.startswith("layers."):
+            _, j, rest = key.split(".", 2)
+            ours[f"layers.{int(j) - 1}.{rest}"] = value
+        else:
+            ours[key] = value
+    if "embed_tokens.weight" not in ours:
+        if embed_weight is None:
+            raise StageError(f"{directory} has no embedding (engines share the target's); pass the target to import it")
+        ours["embed_tokens.weight"] = embed_weight
+    state = model.state_dict()
+    missing = [k for k in state if k not in ours and not k.startswith(("confidence.", "rotary."))]
+    unexpected = [k for k in ours if k not in state]
+    if missing or unexpected:
+        raise StageError(f"{directory}: weights do not match the drafter (missing {missing}, unexpected {unexpected})")
+    dtype = ours["fc.weight"].dtype
+    model.load_state_dict({**state, **{k: v.to(state[k].dtype) for k, v in ours.items()}})
+    return model.to(dtype) if dtype != torch.float32 else model
+
+
+# ------------------------------------------------------------------------------------------ stage
+
+
+def _readme(out: Path, formats: dict[str, Path], cfg: RunConfig, model: Eagle3Drafter, target_name: str,
+            refusal: str | None, k: int) -> str:
+    lines = [f"# EAGLE-3 drafter for `{target_name}`", "",
+             f"Trained with draftsmith; {model.config.num_layers} layer(s), draft vocab {model.config.draft_vocab_size}, "
+             f"aux layers {model.config.aux_layer_ids} (HF hidden_states indices).", ""]
+    if "eagle3" in formats:
+        d = formats["eagle3"]
+        lines += ["## vLLM", "", "```bash",
+                  f"vllm serve {target_name} --speculative-config '{json.dumps({'method': 'eagle3', 'model': str(d), 'num_speculative_tokens': k})}'",
+                  "```", "", "## SGLang", ""]
+        if refusal:
+            lines += [f"Not loadable by SGLang: {refusal}.", ""]
+        else:
+            lines += ["```bash", f"python -m sglang.launch_server --model-path {target_name} --speculative-algorithm EAGLE3 "
+                      f"--speculative-draft-model-path {d} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+                      f"--speculative-num-draft-tokens {k + 1}", "```", ""]
+    if "speculators" in formats:
+        lines += ["## speculators format (vLLM serves it directly)", "", "```bash", f"vllm serve {formats['speculators']}", "```", ""]
+    train_manifest = cfg.run_path / "train" / "manifest.json"
+    if train_manifest.is_file():
+        tm = json.loads(train_manifest.read_text())
+        lines += ["## Training", "", f"{tm.get('steps')} optimizer steps, best holdout simulated τ "
+                  f"{tm.get('best_holdout_tau')}; features from `{cfg.run_path / 'features'}`.", ""]
+    feats = cfg.run_path / "features" / "manifest.json"
+    if feats.is_file():
+        fm = json.loads(feats.read_text())
+        lines += [f"Training data: {fm['counts']['samples']} conversations, {fm['counts']['tokens']} tokens "
+                  f"({fm['counts']['supervised_tokens']} assistant tokens).", ""]
+    eval_json = cfg.run_path / "eval" / "eval.json"
+    if eval_json.is_file():
+        ev = json.loads(eval_json.read_text())
+        lines += ["## Measured acceptance length (draftsmith eval)", "", "| T | domain | τ | speedup |", "|---|---|---|---|"]
+        for run in ev["runs"]:
+            name = next((d for d in run["drafters"] if d not in ("none", "prompt_lookup")), None)
+            if name is None:
+                continue
+            for domain, row in run["domains"].items():
+                s = row[name]
+                lines.append(f"| {run['temperature']} | {domain} | {s['tau']:.2f} | {s.get('speedup', 0):.2f}x |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
+    x = cfg.export
+    source = Path(drafter) if drafter else None
+    if source is None:
+        train = cfg.run_path / "train"
+        source = train / "best" if (train / "best" / "config.json").is_file() else train / "final"
+    if not (source / "config.json").is_file():
+        raise StageError(f"no trained drafter at {source}; run `draftsmith train` or pass --drafter DIR")
+    model = load_drafter(source)
+    spec = resolve_target(cfg.model)
+    target_config = load_config_of(cfg.model, spec)
+    if (source.parent / "manifest.json").is_file():
+        trained_for = read_manifest(source.parent, "drafter")["target"]
+        ident = spec.identity()
+        if trained_for.get("name") != ident.get("name") or trained_for.get("sha256") != ident.get("sha256"):
+            raise StageError(f"{source} was trained for {trained_for}, not this run's target {ident}")
+    dtype = DTYPES[x.dtype]
+    out = cfg.run_path / "export"
+    if out.exists():
+        shutil.rmtree(out)
+    written: dict[str, Path] = {}
+    refusal = sglang_refusal(model.config)
+    if "vllm" in x.formats or "sglang" in x.formats:
+        if "sglang" in x.formats and refusal:
+            console.print(f"[yellow]export: not writing an SGLang-loadable directory: {refusal}[/]")
+        tensors, config = eagle3_engine_files(model, target_config, dtype)
+        _write(out / "eagle3", tensors, config)
+        written["eagle3"] = out / "eagle3"
+    if "speculators" in x.formats:
+        tensors, config = speculators_files(model, target_config, spec.location if spec.kind != "gguf" else spec.name,
+                                            dtype, cfg.eval.draft_length)
+        _write(out / "speculators", tensors, config)
+        written["speculators"] = out / "speculators"
+    (out / "README.md").write_text(_readme(out, written, cfg, model, spec.name, refusal, cfg.eval.draft_length))
+    write_manifest(out, "export", target=spec.identity(), source=str(source), dtype=x.dtype,
+                   formats={k: str(v.relative_to(out)) for k, v in written.items()}, sglang_refusal=refusal)
+    console.print(f"export -> {out}: " + ", ".join(f"{k}/" for k in written), highlight=False)
+    return out
+
+
+def run_import(cfg: RunConfig, source: str) -> Path:
+    """Load an exported directory back into draftsmith's drafter class and save it as RUN_DIR/imported/."""
+    _, _, embed = load_head_weights(cfg.model)
+    model = import_drafter(source, embed)
+    out = cfg.run_path / "imported"
+    model.float().save_pretrained(out)
+    console.print(f"import: {source} -> {out}", highlight=False)
+    return out

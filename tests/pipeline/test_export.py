@@ -1,0 +1,212 @@
+"""Export contracts: every exported tensor maps to exactly one engine parameter of the right shape after
+the engine's renames and fusions, nothing would be silently skipped, config fields are present and typed,
+d2t invariants hold; export -> import round trips bit-exactly; speculators' own model class loads it."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafters.eagle3 import Eagle3Drafter
+from drafters.vocab import draft_to_target_ids, select_draft_vocab
+from pipeline.config import load_config
+from pipeline.errors import StageError
+from pipeline.export import import_drafter, run_export, sglang_refusal
+from pipeline.tiny import save_tiny_target
+
+
+@pytest.fixture(scope="module")
+def target4(tmp_path_factory):
+    return save_tiny_target(tmp_path_factory.mktemp("t4"), seed=0, num_layers=4)
+
+
+def _drafter(target_dir, tmp_path, num_layers=1, aux=(1, 2, 3), D=200):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tcfg = AutoConfig.from_pretrained(target_dir)
+    embed = AutoModelForCausalLM.from_pretrained(target_dir).get_input_embeddings().weight.detach()
+    d2t, t2d = select_draft_vocab(torch.randint(0, 100, (tcfg.vocab_size,), generator=torch.Generator().manual_seed(0)), D)
+    torch.manual_seed(0)
+    model = Eagle3Drafter.from_target(tcfg, list(aux), D, embed, d2t, t2d, num_layers=num_layers)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    path = tmp_path / f"drafter-{num_layers}"
+    model.save_pretrained(path)
+    return model, path
+
+
+def _export(target_dir, tmp_path, path, *overrides):
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.target={target_dir}", *overrides])
+    return run_export(cfg, drafter=str(path))
+
+
+def vllm_expected_params(c):
+    """vLLM's LlamaForCausalLMEagle3 parameters (after its q/k/v and gate/up fusion) and their shapes."""
+    H, nh, nkv, hd, I = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]
+    n_aux = c.get("num_aux_hidden_states", 3)
+    out = {"model.fc.weight": (H, n_aux * c["target_hidden_size"]), "model.norm.weight": (H,),
+           "lm_head.weight": (c["draft_vocab_size"], H), "draft_id_to_target_id": (c["draft_vocab_size"],)}
+    for layer in range(c["num_hidden_layers"]):
+        width = 2 * H if layer == 0 else H
+        p = f"model.layers.{layer}."
+        out |= {p + "self_attn.qkv_proj.weight": ((nh + 2 * nkv) * hd, width), p + "self_attn.o_proj.weight": (H, nh * hd),
+                p + "mlp.gate_up_proj.weight": (2 * I, H), p + "mlp.down_proj.weight": (H, I),
+                p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
+        if layer == 0:
+            out[p + "hidden_norm.weight"] = (H,)
+    return out
+
+
+def vllm_load(tensors):
+    """vLLM's renames and fusions: midlayer. -> layers.0., a `model.` prefix except for lm_head, t2d ignored,
+    d2t -> draft_id_to_target_id, q/k/v and gate/up concatenated along the output dim."""
+    fused, shards = {}, {}
+    for name, t in tensors.items():
+        if name == "t2d":
+            continue
+        if name == "d2t":
+            fused["draft_id_to_target_id"] = tuple(t.shape)
+            continue
+        name = name.replace("midlayer.", "layers.0.")
+        if not name.startswith("lm_head"):
+            name = "model." + name
+        for parts, target in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            for part in parts:
+                if f".{part}." in name:
+                    key = name.replace(part, target)
+                    shards.setdefault(key, {})[part] = t
+                    break
+            else:
+                continue
+            break
+        else:
+            assert name not in fused, f"two tensors load into {name}"
+            fused[name] = tuple(t.shape)
+    for key, parts in shards.items():
+        order = ("q_proj", "k_proj", "v_proj") if "qkv" in key else ("gate_proj", "up_proj")
+        assert set(parts) == set(order), f"{key}: incomplete fused shards {sorted(parts)}"
+        widths = {p.shape[1] for p in parts.values()}
+        assert len(widths) == 1, f"{key}: shards disagree on input width"
+        fused[key] = (sum(parts[o].shape[0] for o in order), widths.pop())
+    return fused
+
+
+SGLANG_LAYER = ["hidden_norm", "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_vllm_contract(target4, tmp_path, num_layers):
+    _, path = _drafter(target4, tmp_path, num_layers)
+    out = _export(target4, tmp_path, path)
+    c = json.loads((out / "eagle3" / "config.json").read_text())
+    tensors = load_file(str(out / "eagle3" / "model.safetensors"))
+    assert vllm_load(tensors) == vllm_expected_params(c)  # every tensor lands in exactly one parameter, none missing
+    assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == num_layers
+    for key, typ in [("vocab_size", int), ("draft_vocab_size", int), ("target_hidden_size", int), ("hidden_size", int),
+                     ("norm_before_residual", bool), ("eagle_aux_hidden_state_layer_ids", list)]:
+        assert isinstance(c[key], typ), key
+    assert c["vocab_size"] == 384 and c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert "embed_tokens.weight" not in tensors  # both engines share the target's embedding
+    assert not any(k.startswith("confidence") for k in tensors)
+
+
+def test_sglang_contract_and_refusal(target4, tmp_path):
+    _, path = _drafter(target4, tmp_path)
+    out = _export(target4, tmp_path, path)
+    c = json.loads((out / "eagle3" / "config.json").read_text())
+    tensors = load_file(str(out / "eagle3" / "model.safetensors"))
+    known = {f"midlayer.{n}.weight" for n in SGLANG_LAYER} | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    assert set(tensors) == known  # SGLang skips unknown names silently: there must be none
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * c["hidden_size"]
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]]
+    assert c["norm_before_residual"] is False
+    # a 2-layer drafter: written for vLLM only, with the reason
+    model2, path2 = _drafter(target4, tmp_path, num_layers=2)
+    assert "exactly 1 layer" in sglang_refusal(model2.config)
+    out2 = _export(target4, tmp_path / "two", path2)
+    assert "eagle_config" not in json.loads((out2 / "eagle3" / "config.json").read_text())
+    assert "Not loadable by SGLang" in (out2 / "README.md").read_text()
+    assert "exactly 3 aux layers" in sglang_refusal(_drafter(target4, tmp_path / "aux4", aux=(1, 2, 3, 4))[0].config)
+
+
+def test_d2t_invariants_and_readme(target4, tmp_path):
+    _, path = _drafter(target4, tmp_path)
+    out = _export(target4, tmp_path, path)
+    for fmt in ("eagle3", "speculators"):
+        t = load_file(str(out / fmt / "model.safetensors"))
+        d2t, t2d = t["d2t"], t["t2d"]
+        ids = draft_to_target_ids(d2t)
+        assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and t2d.numel() == 384
+        assert (ids[1:] > ids[:-1]).all() and ids.min() >= 0 and ids.max() < 384
+        assert torch.equal(ids, t2d.nonzero().squeeze(1))
+    readme = (out / "README.md").read_text()
+    assert "vllm serve" in readme and "--speculative-algorithm EAGLE3" in readme and '"method": "eagle3"' in readme
+    s = json.loads((out / "speculators" / "config.json").read_text())
+    assert s["speculators_model_type"] == "eagle3" and s["norm_before_residual"] is False
+    assert s["speculators_config"]["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert s["transformer_layer_config"]["vocab_size"] == 384
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_round_trip_is_bit_exact(target4, tmp_path, fmt, dtype, num_layers):
+    model, path = _drafter(target4, tmp_path, num_layers)
+    out = _export(target4, tmp_path, path, f"export.dtype={dtype}")
+    again = import_drafter(out / fmt, embed_weight=model.embed_tokens.weight.detach())
+    ref = model.to(getattr(torch, dtype)).eval()
+    again.eval()
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(2, 11, 3 * 64, generator=g).to(ref.fc.weight.dtype)
+    ids = torch.randint(0, 384, (2, 11), generator=g)
+    with torch.no_grad():
+        a, b = ref.ttt_forward(aux, ids, 3), again.ttt_forward(aux, ids, 3)
+    for (la, _), (lb, _) in zip(a, b):
+        assert torch.equal(la, lb)
+
+
+def test_import_refuses_non_exports(tmp_path, target4):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(StageError, match="not an EAGLE-3 export"):
+        import_drafter(tmp_path / "x")
+    _, path = _drafter(target4, tmp_path)
+    out = _export(target4, tmp_path, path)
+    with pytest.raises(StageError, match="pass the target"):
+        import_drafter(out / "eagle3")
+
+
+def test_speculators_reference_class_loads_the_export(target4, tmp_path):
+    pytest.importorskip("speculators", reason="installed by `make` from requirements-external.txt")
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    model, path = _drafter(target4, tmp_path)
+    out = _export(target4, tmp_path, path, "export.dtype=float32")
+    cfg = Eagle3SpeculatorConfig.from_pretrained(str(out / "speculators"))
+    cfg.transformer_layer_config._attn_implementation = "eager"  # flex attention is GPU-only
+    theirs = Eagle3DraftModel(cfg).eval()
+    weights = load_file(str(out / "speculators" / "model.safetensors"))
+    missing, unexpected = theirs.load_state_dict(weights, strict=False)
+    # every exported tensor is a parameter/buffer of theirs (nothing unexpected); what they lack from us is only
+    # the verifier's norm/lm_head, which speculators loads from the target itself (listed optional on load)
+    assert unexpected == []
+    assert sorted(missing) == ["verifier_lm_head.weight", "verifier_norm.weight"]
+    assert torch.equal(theirs.d2t, weights["d2t"]) and torch.equal(theirs.t2d, weights["t2d"])
+    T = 12
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(1, T, 3 * 64, generator=g)
+    ids = torch.randint(0, 384, (1, T), generator=g)
+    logits = []
+    hook = theirs.lm_head.register_forward_hook(lambda _m, _i, o: logits.append(o))
+    with torch.no_grad():  # their step 0 consumes the next tokens directly; positions start at 1 (RoPE is relative)
+        theirs(hidden_states=aux, input_ids=torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], 1),
+               document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=3)
+        ours = model.eval().ttt_forward(aux, ids, 3)
+    hook.remove()
+    for i in range(3):
+        valid = T - 1 - i
+        torch.testing.assert_close(logits[i][0, :valid], ours[i][0][0, :valid], atol=1e-4, rtol=1e-4)
