@@ -145,8 +145,9 @@ class Eagle3Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return self.o_proj(out), (k, v)
 
-    def cached(self, x, cos, sin, cache: KVCache, layer: int):
-        """Causal attention of new entries over the cache plus themselves (inference)."""
+    def cached(self, x, cos, sin, cache: KVCache, layer: int, key_mask: torch.Tensor | None = None):
+        """Causal attention of new entries over the cache plus themselves (inference). `key_mask` [B, total]
+        marks valid cache slots (batched decoding leaves padding and rejected drafts as masked holes)."""
         B, n, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
         past_len = cache.length(layer)
@@ -154,6 +155,12 @@ class Eagle3Attention(nn.Module):
         groups = self.heads // self.kv_heads
         total = past_len + n
         mask = torch.ones(n, total, dtype=torch.bool, device=x.device).tril(diagonal=past_len)
+        if key_mask is not None:
+            mask = mask & key_mask[:, None, None, :]
+            # a query whose every key is masked (padding) would give NaN; let it see itself instead
+            own = torch.zeros(n, total, dtype=torch.bool, device=x.device)
+            own[torch.arange(n), past_len + torch.arange(n)] = True
+            mask = mask | (~mask.any(-1, keepdim=True) & own)
         out = F.scaled_dot_product_attention(q, _repeat_kv(keys, groups), _repeat_kv(values, groups), attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, self.heads * self.head_dim))
 
@@ -189,9 +196,9 @@ class Eagle3Layer(nn.Module):
         attn, kv = self.self_attn.ttt(x, cos, sin, past)
         return self._mlp(residual + attn), kv
 
-    def cached(self, hidden, embeds, cos, sin, cache, layer):
+    def cached(self, hidden, embeds, cos, sin, cache, layer, key_mask=None):
         x, residual = self._attn_input(hidden, embeds)
-        return self._mlp(residual + self.self_attn.cached(x, cos, sin, cache, layer))
+        return self._mlp(residual + self.self_attn.cached(x, cos, sin, cache, layer, key_mask))
 
 
 class Eagle3Drafter(nn.Module):
@@ -274,14 +281,15 @@ class Eagle3Drafter(nn.Module):
 
     @torch.no_grad()
     def decode(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-               from_target: bool):
+               from_target: bool, key_mask: torch.Tensor | None = None):
         """Cached forward of n new entries. `hidden` is target aux features (from_target) or the drafter's own
-        pre-norm output; `tokens` the next tokens. Returns (logits, confidence logits, pre-norm hidden)."""
+        pre-norm output; `tokens` the next tokens; `key_mask` [B, cache+n] the valid slots (batched decoding).
+        Returns (logits, confidence logits, pre-norm hidden)."""
         h = self.fc(hidden.to(self.fc.weight.dtype)) if from_target else hidden
         embeds = self.embed_tokens(tokens).to(h.dtype)
         cos, sin = self._rope(positions, h)
         for li, layer in enumerate(self.all_layers()):
-            h = layer.cached(h, embeds, cos, sin, cache, li)
+            h = layer.cached(h, embeds, cos, sin, cache, li, key_mask)
         logits, conf = self.heads(h, tokens)
         return logits, conf, h
 

@@ -229,6 +229,8 @@ class EvalConfig(Section):
     """Chain draft length γ."""
     max_new_tokens: int = Field(256, ge=1)
     """Tokens generated per prompt."""
+    batch_size: int = Field(8, ge=1)
+    """Prompts decoded together per round (same domain); 1 = one prompt at a time."""
     drafters: list[Literal["trained", "prompt_lookup", "none"]] = ["none", "prompt_lookup", "trained"]
     """What to evaluate; plain decoding (`none`) always runs as the speedup baseline."""
     drafter_path: str | None = None

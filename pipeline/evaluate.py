@@ -20,6 +20,7 @@ from data.artifacts import read_manifest, write_manifest
 from data.chat import prompt_ids, stop_token_ids
 from data.sources import iter_conversations
 from drafters.registry import load_drafter
+from eval.batch import decode_batch
 from eval.engine import decode
 from eval.metrics import acceptance_stats, calibration
 from eval.proposers import Eagle3Proposer, NoDraft, PromptLookup
@@ -73,6 +74,8 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     if "prompt_lookup" in e.drafters:
         proposers["prompt_lookup"] = PromptLookup(e.prompt_lookup_max_ngram)
     drafter_info = None
+    if e.confidence_threshold is not None and e.batch_size > 1:
+        raise StageError("eval.confidence_threshold (adaptive draft length) runs one prompt at a time: set eval.batch_size=1")
     if "trained" in e.drafters:
         path = find_drafter(cfg)
         manifest_dir = path.parent
@@ -97,16 +100,29 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         gen = torch.Generator().manual_seed(e.seed)
         by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         diverged: Counter = Counter()
-        for p in tqdm(prompts, desc=f"eval T={temperature}", unit="prompt"):
+        by_domain: dict[str, list] = defaultdict(list)
+        for p in prompts:
+            by_domain[p["domain"]].append(p)
+        batches = [group[i:i + e.batch_size] for group in by_domain.values() for i in range(0, len(group), e.batch_size)]
+        bar = tqdm(total=len(prompts), desc=f"eval T={temperature}", unit="prompt")
+        for batch in batches:
             outputs = {}
             for name, proposer in proposers.items():
-                runner = with_features if getattr(proposer, "needs_features", False) else plain
-                res = decode(runner, proposer, p["ids"], params, e.draft_length, e.max_new_tokens, stops, gen)
-                by[p["domain"]][name].append(res)
-                outputs[name] = res.tokens
+                ids = [p["ids"] for p in batch]
+                if e.batch_size == 1:
+                    runner = with_features if getattr(proposer, "needs_features", False) else plain
+                    res = [decode(runner, proposer, ids[0], params, e.draft_length, e.max_new_tokens, stops, gen)]
+                else:
+                    res = decode_batch(model, ids, name, params, e.draft_length, e.max_new_tokens, stops, gen,
+                                       drafter=getattr(proposer, "drafter", None), pad_id=tok.pad_token_id,
+                                       max_ngram=e.prompt_lookup_max_ngram)
+                by[batch[0]["domain"]][name].extend(res)
+                outputs[name] = [r.tokens for r in res]
             if params.greedy:
                 for name, toks in outputs.items():
-                    diverged[name] += toks != outputs["none"]
+                    diverged[name] += sum(a != b for a, b in zip(toks, outputs["none"]))
+            bar.update(len(batch))
+        bar.close()
         domains = {}
         for domain, per in by.items():
             row = {name: acceptance_stats(results, e.draft_length) for name, results in per.items()}

@@ -1,0 +1,226 @@
+"""Batched speculative decoding: several prompts per round, each with its own accepted length.
+
+Rows advance at different speeds, so caches are not cropped: every round appends the same number of slots
+to every row, and a row's padding and rejected drafts stay in its cache as masked holes. A 2-D key mask
+plus explicit position ids (the row's true positions) make each row compute exactly what it would alone.
+Rows that have finished keep feeding a dummy token, and their outputs are ignored.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Sequence
+
+import torch
+
+from data.features import AuxHooks, decoder_of
+from drafters.vocab import draft_to_target_ids
+from eval.engine import DecodeResult, _one_hot
+from eval.sampling import SamplingParams, probs_from_logits, sample
+from eval.verify import greedy_verify, sampling_verify
+
+
+class BatchedHFTarget:
+    def __init__(self, model, aux_ids: Sequence[int] | None = None, pad_id: int = 0):
+        from transformers import DynamicCache
+
+        self.model, self.pad_id = model, pad_id
+        self.device = next(model.parameters()).device
+        self.aux_ids = list(aux_ids) if aux_ids else []
+        self.base = decoder_of(model)
+        self._cache_cls = DynamicCache
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.passes = 0
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor):
+        hooks = AuxHooks(self.base, self.aux_ids)
+        with hooks:
+            out = self.model(input_ids=ids.to(self.device), attention_mask=self.key_mask.long().to(self.device),
+                             position_ids=positions.to(self.device), use_cache=True, **{self._cache_kw: self.cache})
+        self.passes += 1
+        return out.logits.float(), (hooks.concat() if self.aux_ids else None)
+
+    @torch.no_grad()  # not inference_mode: the key mask is edited in place between passes
+    def prefill(self, prompts: Sequence[Sequence[int]]):
+        """Left-padded prefill. Returns (logits [B,P,V], feats [B,P,F] or None, valid [B,P])."""
+        try:
+            self.cache = self._cache_cls(config=self.model.config)
+        except TypeError:
+            self.cache = self._cache_cls()
+        self.passes = 0
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p):] = torch.tensor(list(p))
+            valid[b, width - len(p):] = True
+        self.key_mask = valid.clone()
+        positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+        self.next_pos = torch.tensor([len(p) for p in prompts])
+        logits, feats = self._forward(ids, positions)
+        return logits, feats, valid
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, valid: torch.Tensor):
+        """Append n slots per row (tokens [B,n], valid [B,n]) and run one pass; positions continue each row's own."""
+        self.key_mask = torch.cat([self.key_mask, valid], dim=1)
+        positions = self.next_pos[:, None] + torch.arange(tokens.shape[1])[None, :]
+        return self._forward(tokens, positions)
+
+    def keep(self, b: int, n_new: int, kept: int) -> None:
+        """Of the last `n_new` slots of row b, keep the first `kept` (the rest become holes)."""
+        total = self.key_mask.shape[1]
+        self.key_mask[b, total - n_new + kept:] = False
+        self.next_pos[b] += kept
+
+
+class BatchedEagle3:
+    """EAGLE-3 drafting for a batch, with the drafter cache kept like the target's (holes + key mask)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter.eval()
+        self.device = next(drafter.parameters()).device
+        self.ids = draft_to_target_ids(drafter.d2t).to(self.device)
+        self.vocab = drafter.config.vocab_size
+        self.aux_ids = drafter.config.aux_layer_ids
+
+    def _extend(self, feats, tokens, valid, positions):
+        self.key_mask = torch.cat([self.key_mask, valid.to(self.device)], dim=1)
+        logits, conf, h = self.drafter.decode(feats.to(self.device), tokens.to(self.device), positions.to(self.device),
+                                              self.cache, from_target=True, key_mask=self.key_mask)
+        return logits, conf, h
+
+    @torch.no_grad()
+    def start(self, prompts, firsts, feats, valid):
+        B, P = valid.shape
+        self.cache = self.drafter.new_cache()
+        self.key_mask = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
+        nxt = torch.zeros(B, P, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            nxt[b, P - len(p):] = torch.tensor(list(p[1:]) + [firsts[b]])
+        positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+        logits, conf, h = self._extend(feats, nxt, valid, positions)
+        self.pos = torch.tensor([len(p) for p in prompts])  # next step-0 position per row
+        self.last = (logits[:, -1], conf[:, -1], h[:, -1:])
+
+    @torch.no_grad()
+    def propose(self, k: int, params: SamplingParams, gen):
+        logits, conf, h = self.last
+        B = logits.shape[0]
+        drafts = torch.zeros(B, k, dtype=torch.long)
+        confs = torch.zeros(B, k)
+        qs = [] if not params.greedy else None
+        self.round_start = self.key_mask.shape[1]
+        for i in range(k):
+            if params.greedy:
+                x = self.ids[logits.argmax(-1)].cpu()
+            else:
+                qd = probs_from_logits(logits, params)
+                q = torch.zeros(B, self.vocab, dtype=qd.dtype, device=self.device)
+                q[:, self.ids] = qd
+                x = torch.tensor([sample(q[b], gen) for b in range(B)])
+                qs.append(q)
+            drafts[:, i] = x
+            confs[:, i] = torch.sigmoid(conf.float()).cpu()
+            if i + 1 < k:
+                self.key_mask = torch.cat([self.key_mask, torch.ones(B, 1, dtype=torch.bool, device=self.device)], 1)
+                out, cf, h = self.drafter.decode(h, x[:, None].to(self.device), (self.pos + i)[:, None].to(self.device),
+                                                 self.cache, from_target=False, key_mask=self.key_mask)
+                logits, conf = out[:, 0], cf[:, 0]
+        return drafts, (torch.stack(qs, 1) if qs else None), confs
+
+    @torch.no_grad()
+    def commit(self, drafts: torch.Tensor, accepted: list[int], news: list[int], feats: torch.Tensor):
+        """feats [B, k+1, F]: target features of this round's verified slots; row b keeps 1 + accepted[b]."""
+        self.cache.crop(self.round_start)
+        self.key_mask = self.key_mask[:, : self.round_start]
+        B, k1 = feats.shape[:2]
+        toks = torch.zeros(B, k1, dtype=torch.long)
+        valid = torch.zeros(B, k1, dtype=torch.bool)
+        for b in range(B):
+            n = accepted[b]
+            toks[b, : n + 1] = torch.tensor(drafts[b, :n].tolist() + [news[b]])
+            valid[b, : n + 1] = True
+        positions = self.pos[:, None] + torch.arange(k1)[None, :]
+        logits, conf, h = self._extend(feats, toks, valid, positions)
+        idx = torch.tensor(accepted, device=self.device)
+        rows = torch.arange(B, device=self.device)
+        self.last = (logits[rows, idx], conf[rows, idx], h[rows, idx].unsqueeze(1))
+        self.pos += torch.tensor(accepted) + 1
+
+
+def _prompt_lookup(history: Sequence[int], k: int, max_ngram: int) -> list[int]:
+    from eval.proposers import PromptLookup
+
+    return PromptLookup(max_ngram).propose(history, k, None, None)[0]
+
+
+def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: SamplingParams, gamma: int,
+                 max_new_tokens: int, stop_ids: Sequence[int] = (), generator: torch.Generator | None = None,
+                 drafter=None, pad_id: int = 0, max_ngram: int = 3) -> list[DecodeResult]:
+    """Decode a batch of prompts with `kind` in none | prompt_lookup | eagle3 (then `drafter` is required)."""
+    stops = set(stop_ids)
+    started = time.perf_counter()
+    eagle = BatchedEagle3(drafter) if kind == "eagle3" else None
+    target = BatchedHFTarget(model, eagle.aux_ids if eagle else None, pad_id)
+    logits, feats, valid = target.prefill(prompts)
+    B = len(prompts)
+    firsts = [int(logits[b, -1].argmax()) if params.greedy else sample(probs_from_logits(logits[b, -1], params), generator)
+              for b in range(B)]
+    results = [DecodeResult(tokens=[f]) for f in firsts]
+    history = [list(p) + [f] for p, f in zip(prompts, firsts)]
+    active = [len(r.tokens) < max_new_tokens and r.tokens[-1] not in stops for r in results]
+    if eagle:
+        eagle.start(prompts, firsts, feats, valid)
+    while any(active):
+        if eagle:
+            dr, q, confs = eagle.propose(gamma, params, generator)
+            drafts = [dr[b].tolist() if active[b] else [] for b in range(B)]
+        elif kind == "prompt_lookup":
+            drafts = [_prompt_lookup(history[b], gamma, max_ngram) if active[b] else [] for b in range(B)]
+            q = None
+        else:
+            drafts, q = [[] for _ in range(B)], None
+        k = max(len(d) for d in drafts) if not eagle else gamma
+        tokens = torch.full((B, k + 1), pad_id, dtype=torch.long)
+        ok = torch.zeros(B, k + 1, dtype=torch.bool)
+        for b in range(B):
+            row = [history[b][-1]] + drafts[b]
+            tokens[b, : len(row)] = torch.tensor(row)
+            ok[b, : len(row)] = True
+        logits, feats = target.step(tokens, ok)
+        accepted, news = [], []
+        for b in range(B):
+            d = drafts[b]
+            if params.greedy:
+                n, new = greedy_verify(d, logits[b, : len(d) + 1])
+            else:
+                p = probs_from_logits(logits[b, : len(d) + 1], params)
+                qb = q[b, : len(d)] if q is not None else _one_hot(d, p.shape[-1], p.device)
+                n, new = sampling_verify(d, qb, p, generator)
+            target.keep(b, k + 1, n + 1 if active[b] else 1)
+            accepted.append(n if active[b] else 0)
+            news.append(new)
+            if active[b]:
+                committed = d[:n] + [new]
+                results[b].tokens += committed
+                history[b] += committed
+                results[b].rounds.append((len(d), n))
+                results[b].confidences.append(confs[b].tolist() if eagle else [])
+                active[b] = len(results[b].tokens) < max_new_tokens and not (set(committed) & stops)
+            else:
+                history[b].append(history[b][-1])  # the dummy token a finished row keeps feeding
+        if eagle:
+            eagle.commit(torch.tensor([d + [0] * (gamma - len(d)) for d in drafts]), accepted, news, feats)
+    seconds = time.perf_counter() - started
+    for r in results:
+        cut = len(r.tokens)
+        for i, t in enumerate(r.tokens[:max_new_tokens]):
+            if t in stops:
+                cut = i + 1
+                break
+        r.tokens = r.tokens[: min(cut, max_new_tokens)]
+        r.target_passes = 1 + len(r.rounds)
+        r.seconds = seconds / B
+    return results
