@@ -145,7 +145,8 @@ class Eagle3Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return self.o_proj(out), (k, v)
 
-    def cached(self, x, cos, sin, cache: KVCache, layer: int, key_mask: torch.Tensor | None = None):
+    def cached(self, x, cos, sin, cache: KVCache, layer: int, key_mask: torch.Tensor | None = None,
+               attn_mask: torch.Tensor | None = None):
         """Causal attention of new entries over the cache plus themselves (inference). `key_mask` [B, total]
         marks valid cache slots (batched decoding leaves padding and rejected drafts as masked holes)."""
         B, n, _ = x.shape
@@ -155,6 +156,8 @@ class Eagle3Attention(nn.Module):
         groups = self.heads // self.kv_heads
         total = past_len + n
         mask = torch.ones(n, total, dtype=torch.bool, device=x.device).tril(diagonal=past_len)
+        if attn_mask is not None:  # tree drafting: each new entry sees the context and its own ancestors
+            mask = attn_mask.to(x.device)
         if key_mask is not None:
             mask = mask & key_mask[:, None, None, :]
             # a query whose every key is masked (padding) would give NaN; let it see itself instead
@@ -196,9 +199,9 @@ class Eagle3Layer(nn.Module):
         attn, kv = self.self_attn.ttt(x, cos, sin, past)
         return self._mlp(residual + attn), kv
 
-    def cached(self, hidden, embeds, cos, sin, cache, layer, key_mask=None):
+    def cached(self, hidden, embeds, cos, sin, cache, layer, key_mask=None, attn_mask=None):
         x, residual = self._attn_input(hidden, embeds)
-        return self._mlp(residual + self.self_attn.cached(x, cos, sin, cache, layer, key_mask))
+        return self._mlp(residual + self.self_attn.cached(x, cos, sin, cache, layer, key_mask, attn_mask))
 
 
 class Eagle3Drafter(nn.Module):
@@ -281,7 +284,7 @@ class Eagle3Drafter(nn.Module):
 
     @torch.no_grad()
     def decode(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-               from_target: bool, key_mask: torch.Tensor | None = None):
+               from_target: bool, key_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None):
         """Cached forward of n new entries. `hidden` is target aux features (from_target) or the drafter's own
         pre-norm output; `tokens` the next tokens; `key_mask` [B, cache+n] the valid slots (batched decoding).
         Returns (logits, confidence logits, pre-norm hidden)."""
@@ -289,7 +292,7 @@ class Eagle3Drafter(nn.Module):
         embeds = self.embed_tokens(tokens).to(h.dtype)
         cos, sin = self._rope(positions, h)
         for li, layer in enumerate(self.all_layers()):
-            h = layer.cached(h, embeds, cos, sin, cache, li, key_mask)
+            h = layer.cached(h, embeds, cos, sin, cache, li, key_mask, attn_mask)
         logits, conf = self.heads(h, tokens)
         return logits, conf, h
 

@@ -38,11 +38,27 @@ def _one_hot(drafts: Sequence[int], vocab: int, device) -> torch.Tensor:
     return q
 
 
+@dataclass(frozen=True)
+class TreeSpec:
+    depth: int = 5
+    """Deepest draft position."""
+    top_k: int = 4
+    """Children per expanded node, and frontier nodes expanded per depth."""
+    total: int = 32
+    """Nodes verified per round."""
+
+
 def decode(target, proposer, prompt: Sequence[int], params: SamplingParams, gamma: int, max_new_tokens: int,
            stop_ids: Sequence[int] = (), generator: torch.Generator | None = None,
-           verify: Callable = sampling_verify) -> DecodeResult:
+           verify: Callable = sampling_verify, tree: TreeSpec | None = None,
+           tree_verify: Callable | None = None) -> DecodeResult:
     """Speculative decoding of one prompt. `target` has reset/step/rollback/length (eval.runner.HFTarget);
-    `proposer` is one of eval.proposers. `verify` is the sampling rule (swappable for tests)."""
+    `proposer` is one of eval.proposers. With `tree`, each round drafts a token tree (the proposer needs
+    `propose_tree`) and verifies it in one pass. `verify` / `tree_verify` are the sampling rules (swappable
+    for tests)."""
+    from eval.tree import greedy_tree_verify, sampling_tree_verify
+
+    tree_verify = tree_verify or sampling_tree_verify
     stops = set(stop_ids)
     started = time.perf_counter()
     target.reset()
@@ -53,6 +69,23 @@ def decode(target, proposer, prompt: Sequence[int], params: SamplingParams, gamm
     proposer.start(prompt, first, feats)
     history = list(prompt) + out
     while len(out) < max_new_tokens and out[-1] not in stops:
+        if tree is not None:
+            t = proposer.propose_tree(tree.depth, tree.top_k, tree.total)
+            past = target.length
+            logits, feats = target.step_tree(out[-1], t)
+            if params.greedy:
+                path, new = greedy_tree_verify(t, logits)
+            else:
+                path, new = tree_verify(t, probs_from_logits(logits, params), generator)
+            target.keep_path(past, path)
+            committed = [t.tokens[i] for i in path] + [new]
+            out += committed
+            history += committed
+            result.rounds.append((max(t.depths, default=0), len(path)))
+            result.confidences.append([])
+            rows = torch.tensor([0] + [1 + i for i in path])
+            proposer.commit_path([t.tokens[i] for i in path], new, feats[rows] if feats is not None else None)
+            continue
         drafts, q, confs = proposer.propose(history, gamma, params, generator)
         context = target.length
         logits, feats = target.step([out[-1]] + list(drafts))

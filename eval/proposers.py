@@ -112,3 +112,48 @@ class Eagle3Proposer:
     def commit(self, drafts, n, new, feats):
         self.cache.crop(self.ctx)  # drop the entries of this round's drafting steps
         self._extend(feats, list(drafts[:n]) + [new])
+
+    @torch.no_grad()
+    def propose_tree(self, depth: int, top_k: int, total: int):
+        """EAGLE-2-style dynamic tree: top-k children per expanded node, the top-k frontier nodes (by cumulative
+        draft log-probability) expanded at each depth, then the best `total` nodes kept."""
+        from eval.tree import Tree, prune
+
+        tree = Tree()
+        logits, _, h_root = self.last
+        logp = torch.log_softmax(logits.float(), -1)
+        top = torch.topk(logp, min(top_k, logp.numel()))
+        for lp, d in zip(top.values.tolist(), top.indices.tolist()):
+            tree.tokens.append(int(self.ids[d])); tree.parents.append(-1); tree.depths.append(1); tree.scores.append(lp)
+        outputs: dict[int, torch.Tensor] = {-1: h_root}
+        entry: dict[int, int] = {}  # node -> its slot in the drafter cache
+        for d in range(1, depth):
+            frontier = [i for i in range(len(tree)) if tree.depths[i] == d]
+            expand = sorted(frontier, key=lambda i: -tree.scores[i])[:top_k]
+            past = self.cache.length()
+            n = len(expand)
+            mask = torch.zeros(n, past + n, dtype=torch.bool)
+            mask[:, : self.ctx] = True  # the context (step-0 entries)
+            for row, i in enumerate(expand):
+                entry[i] = past + row
+                for a in tree.ancestors(i):
+                    if a in entry:
+                        mask[row, entry[a]] = True
+            hidden = torch.cat([outputs[tree.parents[i]] for i in expand], dim=1)
+            toks = torch.tensor([[tree.tokens[i] for i in expand]], device=self.device)
+            pos = torch.tensor([[self.ctx + d - 1] * n], device=self.device)
+            out, _, h = self.drafter.decode(hidden, toks, pos, self.cache, from_target=False, attn_mask=mask)
+            for row, i in enumerate(expand):
+                outputs[i] = h[:, row:row + 1]
+                lp_row = torch.log_softmax(out[0, row].float(), -1)
+                top = torch.topk(lp_row, min(top_k, lp_row.numel()))
+                for lp, c in zip(top.values.tolist(), top.indices.tolist()):
+                    tree.tokens.append(int(self.ids[c])); tree.parents.append(i); tree.depths.append(d + 1)
+                    tree.scores.append(tree.scores[i] + lp)
+        return prune(tree, total)
+
+    @torch.no_grad()
+    def commit_path(self, tokens: list[int], new: int, feats):
+        """After tree verification: the accepted path's tokens and the target's features of root + path."""
+        self.cache.crop(self.ctx)
+        self._extend(feats, list(tokens) + [new])

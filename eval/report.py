@@ -9,8 +9,11 @@ from typing import Any
 def markdown_table(ev: dict[str, Any]) -> str:
     lines = []
     for run in ev["runs"]:
-        lines.append(f"### T = {run['temperature']}, chain γ = {ev['settings']['draft_length']}, "
-                     f"max_new_tokens = {ev['settings']['max_new_tokens']}")
+        st = ev["settings"]
+        shape = (f"tree depth {st['tree_depth']} / top-k {st['tree_top_k']} / {st['tree_nodes']} nodes for the trained "
+                 f"drafter, chain γ = {st['draft_length']} for prompt lookup" if st.get("tree_depth")
+                 else f"chain γ = {st['draft_length']}")
+        lines.append(f"### T = {run['temperature']}, {shape}, max_new_tokens = {st['max_new_tokens']}")
         drafters = [d for d in run["drafters"] if d != "none"]
         head = "| domain | prompts | plain tok/s | " + " | ".join(f"{d} τ | {d} speedup" for d in drafters) + " |"
         lines += [head, "|" + "---|" * (3 + 2 * len(drafters))]

@@ -50,6 +50,30 @@ class HFTarget:
         feats = hooks.concat()[0] if self.aux_ids else None
         return out.logits[0].float(), feats
 
+    @torch.inference_mode()
+    def step_tree(self, root: int, tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass over the root (last committed token) and every tree node, with the tree attention mask and
+        depth-based positions. Returns logits [1+N, V] and features [1+N, F]."""
+        from eval.tree import tree_mask
+
+        past = self.length
+        mask = tree_mask(tree, past)[None, None].to(self.device)
+        positions = torch.tensor([[past] + [past + d for d in tree.depths]], device=self.device)
+        ids = torch.tensor([[root] + list(tree.tokens)], device=self.device)
+        hooks = AuxHooks(self.base, self.aux_ids)
+        with hooks:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{self._cache_kw: self.cache})
+        self.passes += 1
+        return out.logits[0].float(), (hooks.concat()[0] if self.aux_ids else None)
+
+    def keep_path(self, past: int, path: list[int]) -> None:
+        """Gather the root and the accepted path's entries into consecutive cache slots after the context."""
+        keep = torch.tensor(list(range(past + 1)) + [past + 1 + i for i in path], device=self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(2, keep)
+            layer.values = layer.values.index_select(2, keep)
+
     def rollback(self, length: int) -> None:
         remove = self.length - length
         if remove > 0:

@@ -84,7 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # flags may come before or after the key=value overrides; argparse leaves the later ones over
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = list(args.overrides) + extra
     setup_logging(args.log_level)
     from data.artifacts import ArtifactError
     from data.chat import ChatTemplateError

@@ -229,6 +229,13 @@ class EvalConfig(Section):
     """Chain draft length γ."""
     max_new_tokens: int = Field(256, ge=1)
     """Tokens generated per prompt."""
+    tree_depth: int | None = Field(None, ge=1)
+    """Draft EAGLE-2-style dynamic trees this deep for the trained drafter (None: chains of draft_length).
+    Tree decoding runs one prompt at a time (eval.batch_size=1)."""
+    tree_top_k: int = Field(4, ge=1)
+    """Children per expanded tree node, and nodes expanded per depth."""
+    tree_nodes: int = Field(32, ge=1)
+    """Tree nodes verified per round."""
     batch_size: int = Field(8, ge=1)
     """Prompts decoded together per round (same domain); 1 = one prompt at a time."""
     drafters: list[Literal["trained", "prompt_lookup", "none"]] = ["none", "prompt_lookup", "trained"]

@@ -21,7 +21,7 @@ from data.chat import prompt_ids, stop_token_ids
 from data.sources import iter_conversations
 from drafters.registry import load_drafter
 from eval.batch import decode_batch
-from eval.engine import decode
+from eval.engine import TreeSpec, decode
 from eval.metrics import acceptance_stats, calibration
 from eval.proposers import Eagle3Proposer, NoDraft, PromptLookup
 from eval.report import markdown_table, plots
@@ -74,6 +74,9 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     if "prompt_lookup" in e.drafters:
         proposers["prompt_lookup"] = PromptLookup(e.prompt_lookup_max_ngram)
     drafter_info = None
+    if e.tree_depth is not None and e.batch_size > 1:
+        raise StageError("eval.tree_depth (tree drafting) runs one prompt at a time: set eval.batch_size=1")
+    tree = TreeSpec(e.tree_depth, e.tree_top_k, e.tree_nodes) if e.tree_depth else None
     if e.confidence_threshold is not None and e.batch_size > 1:
         raise StageError("eval.confidence_threshold (adaptive draft length) runs one prompt at a time: set eval.batch_size=1")
     if "trained" in e.drafters:
@@ -111,7 +114,8 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
                 ids = [p["ids"] for p in batch]
                 if e.batch_size == 1:
                     runner = with_features if getattr(proposer, "needs_features", False) else plain
-                    res = [decode(runner, proposer, ids[0], params, e.draft_length, e.max_new_tokens, stops, gen)]
+                    res = [decode(runner, proposer, ids[0], params, e.draft_length, e.max_new_tokens, stops, gen,
+                                  tree=tree if hasattr(proposer, "propose_tree") else None)]
                 else:
                     res = decode_batch(model, ids, name, params, e.draft_length, e.max_new_tokens, stops, gen,
                                        drafter=getattr(proposer, "drafter", None), pad_id=tok.pad_token_id,

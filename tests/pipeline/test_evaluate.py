@@ -48,3 +48,10 @@ def test_eval_stage(tmp_path):
     for f in ("report.md", "tau_by_domain_T0.png", "survival_T1.png", "reliability_T0.png", "manifest.json"):
         assert (out / f).is_file(), f
     assert "| math |" in (out / "report.md").read_text()
+
+    # tree drafting for the trained drafter (one prompt at a time), still exact under greedy decoding
+    assert main(["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.batch_size=1",
+                 "eval.tree_depth=3", "eval.tree_top_k=2", "eval.tree_nodes=6", "eval.max_prompts=3"]) == 0
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["runs"][0]["greedy_divergence"]["eagle3"] == {"prompts": 0, "of": 3}
+    assert "tree depth 3" in (out / "report.md").read_text()
