@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "eval":
             p.add_argument("--datasets", metavar="A,B", help="builtin prompt sets, e.g. mtbench,humaneval (overrides eval.sources)")
             p.add_argument("--temperature", metavar="T,T", help="temperatures, e.g. 0,1 (overrides eval.temperatures)")
+            p.add_argument("--target", metavar="MODEL", help="target model (overrides model.target)")
         if name == "collect":
             p.add_argument("--verify", type=int, default=0, metavar="N",
                            help="afterwards, recompute N random stored samples and fail above collect.verify_tolerance")
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 overrides.append("eval.sources=[" + ",".join(f"{{builtin: {d.strip()}}}" for d in args.datasets.split(",")) + "]")
             if args.temperature:
                 overrides.append(f"eval.temperatures=[{args.temperature}]")
+            if args.target:
+                overrides.append(f"model.target={args.target}")
         cfg = load_config(args.config, overrides)
         from pipeline.dist import dist_state
 

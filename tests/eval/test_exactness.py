@@ -150,17 +150,19 @@ def _eagle3(model):
     return Eagle3Drafter.from_target(model.config, [1, 2, 4], 200, model.get_input_embeddings().weight, d2t, t2d).double()
 
 
-@pytest.mark.parametrize("kind", ["none", "prompt_lookup", "eagle3", "oracle"])
+@pytest.mark.parametrize("kind", ["none", "prompt_lookup", "eagle3", "eagle3_adaptive", "oracle"])
 def test_greedy_commits_exactly_the_targets_greedy_tokens(tiny64, kind):
     g = torch.Generator().manual_seed(3)
-    drafter = _eagle3(tiny64) if kind == "eagle3" else None
+    drafter = _eagle3(tiny64) if kind.startswith("eagle3") else None
     all_rounds = []
     for trial in range(6):
         prompt = torch.randint(5, 380, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
         n_new = [5, 17, 40][trial % 3]
         gamma = [1, 3, 5][trial % 3]
-        proposer = {"none": NoDraft(), "prompt_lookup": PromptLookup(), "eagle3": Eagle3Proposer(drafter) if drafter else None,
-                    "oracle": OracleDraft(tiny64, trial)}[kind]
+        proposer = {"none": NoDraft(), "prompt_lookup": PromptLookup(), "oracle": OracleDraft(tiny64, trial),
+                    "eagle3": Eagle3Proposer(drafter) if drafter else None,
+                    # adaptive draft length: whether position i is drafted depends only on what precedes it
+                    "eagle3_adaptive": Eagle3Proposer(drafter, confidence_threshold=0.3) if drafter else None}[kind]
         target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids if drafter else None)
         r = decode(target, proposer, prompt, SamplingParams(), gamma, n_new)
         assert r.tokens == plain_greedy(tiny64, prompt, n_new), (kind, trial)
