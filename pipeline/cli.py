@@ -12,37 +12,24 @@ from pipeline.console import console, setup_logging
 log = logging.getLogger("draftsmith")
 
 
+# stage -> the function that runs it ("module:function"), imported lazily so `draftsmith --help` and config
+# errors answer without loading torch
+ENTRY_POINTS = {
+    "prepare": "pipeline.prepare:run_prepare",
+    "generate": "pipeline.generate:run_generate",
+    "collect": "pipeline.collect:run_collect",
+    "train": "pipeline.train:run_train",
+    "eval": "pipeline.evaluate:run_eval",
+    "export": "pipeline.export:run_export",
+    "import": "pipeline.export:run_import",
+}
+
+
 def _stage(name: str):
-    # Imported lazily so `draftsmith --help` and config errors answer without loading torch.
-    if name == "prepare":
-        from pipeline.prepare import run_prepare
+    import importlib
 
-        return run_prepare
-    if name == "generate":
-        from pipeline.generate import run_generate
-
-        return run_generate
-    if name == "collect":
-        from pipeline.collect import run_collect
-
-        return run_collect
-    if name == "train":
-        from pipeline.train import run_train
-
-        return run_train
-    if name == "eval":
-        from pipeline.evaluate import run_eval
-
-        return run_eval
-    if name == "export":
-        from pipeline.export import run_export
-
-        return run_export
-    if name == "import":
-        from pipeline.export import run_import
-
-        return run_import
-    raise KeyError(name)
+    module, function = ENTRY_POINTS[name].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 STAGES = {
