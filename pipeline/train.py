@@ -216,11 +216,14 @@ class Trainer:
         ckpt_root = self.out / "checkpoints"
         final = ckpt_root / f"step-{self.step:07d}"
         partial = ckpt_root / f".step-{self.step:07d}.partial"
-        if acc.is_main_process and partial.exists():
-            shutil.rmtree(partial)
+        if acc.is_main_process:
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)  # before any rank writes into it (DeepSpeed ranks save their own shards)
         acc.wait_for_everyone()
         acc.save_state(str(partial))
         self.save_drafter(partial / "drafter")
+        acc.wait_for_everyone()  # every rank has finished writing before the directory is renamed
         if acc.is_main_process:
             state = {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "best": self.best,
                      "history": self.history}
