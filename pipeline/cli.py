@@ -22,6 +22,7 @@ ENTRY_POINTS = {
     "eval": "pipeline.evaluate:run_eval",
     "export": "pipeline.export:run_export",
     "import": "pipeline.export:run_import",
+    "run": "pipeline.run:run_all",
 }
 
 
@@ -40,6 +41,7 @@ STAGES = {
     "eval": "measure acceptance length per domain and speedup with the exact speculative-decoding verifier",
     "export": "write the drafter for vLLM / SGLang (eagle3/) and in the speculators format (speculators/)",
     "import": "load an exported drafter directory (--from DIR) back into draftsmith (RUN_DIR/imported)",
+    "run": "run every stage in order into one run directory, skipping or resuming what is already done",
 }
 
 

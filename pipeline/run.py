@@ -1,0 +1,108 @@
+"""`draftsmith run`: every stage in order into one run directory, skipping what is already complete.
+
+A re-run after a crash resumes: prepare is skipped when its manifest matches the config, generate and
+collect continue from their finished chunks/shards (and refuse other settings), training resumes from its
+latest checkpoint, and eval is skipped when eval.json was made with the same settings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from pipeline.config import RunConfig
+from pipeline.console import console
+
+log = logging.getLogger(__name__)
+
+
+def _prepared_matches(cfg: RunConfig) -> bool:
+    path = cfg.run_path / "prepared" / "manifest.json"
+    if not path.is_file():
+        return False
+    recorded = json.loads(path.read_text()).get("config", {})
+    return recorded == {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json", by_alias=True)}
+
+
+def _eval_matches(cfg: RunConfig) -> bool:
+    path = cfg.run_path / "eval" / "eval.json"
+    if not path.is_file():
+        return False
+    settings = json.loads(path.read_text()).get("settings", {})
+    return all(settings.get(k) == v for k, v in cfg.eval.model_dump(mode="json").items())
+
+
+def plan_stages(cfg: RunConfig) -> list[str]:
+    stages = []
+    if cfg.data.sources:
+        stages.append("prepare")
+    if cfg.data.sources or cfg.generate.synthesize:
+        stages.append("generate")
+    if cfg.train.features == "offline":
+        stages.append("collect")
+    stages += ["train", "eval", "export"]
+    return stages
+
+
+def run_all(cfg: RunConfig) -> Path:
+    from pipeline.collect import run_collect
+    from pipeline.evaluate import run_eval
+    from pipeline.export import run_export
+    from pipeline.generate import run_generate
+    from pipeline.prepare import run_prepare
+    from pipeline.train import run_train
+
+    stages = plan_stages(cfg)
+    timings: dict[str, str] = {}
+    started = time.perf_counter()
+    upstream_ran = False  # once a stage really ran, later stages may not be skipped on their old outputs
+    for i, stage in enumerate(stages, start=1):
+        console.rule(f"[bold]stage {i}/{len(stages)}: {stage}")
+        t0 = time.perf_counter()
+        if stage == "prepare":
+            if _prepared_matches(cfg):  # (first stage: nothing upstream)
+                log.info("prepare: %s matches this config, skipped", cfg.run_path / "prepared")
+                timings[stage] = "skipped"
+                continue
+            run_prepare(cfg)
+        elif stage == "generate":
+            done = (cfg.run_path / "generated" / "manifest.json").is_file()
+            run_generate(cfg)  # resumes, or returns at once when complete (and refuses other settings)
+            if done:
+                timings[stage] = "complete"
+                continue
+        elif stage == "collect":
+            done = (cfg.run_path / "features" / "manifest.json").is_file()
+            run_collect(cfg)
+            if done:
+                timings[stage] = "complete"
+                continue
+        elif stage == "train":
+            train = cfg.run_path / "train"
+            if (train / "manifest.json").is_file():
+                recorded = json.loads((train / "manifest.json").read_text())["config"]["train"]
+                if recorded == cfg.train.model_dump(mode="json") and not upstream_ran:
+                    log.info("train: %s is complete for this config, skipped", train)
+                    timings[stage] = "skipped"
+                    continue
+            resume = (train / "checkpoints").is_dir() and any((train / "checkpoints").glob("step-*"))
+            run_train(cfg, resume=resume)
+        elif stage == "eval":
+            if _eval_matches(cfg) and not upstream_ran:
+                log.info("eval: %s matches this config, skipped", cfg.run_path / "eval")
+                timings[stage] = "skipped"
+                continue
+            run_eval(cfg)
+        elif stage == "export":
+            run_export(cfg)
+        timings[stage] = f"{time.perf_counter() - t0:.0f}s"
+        upstream_ran = True
+    total = time.perf_counter() - started
+    console.rule("[bold]draftsmith run: done")
+    console.print("stages: " + ", ".join(f"{s} {t}" for s, t in timings.items()) + f"; total {total:.0f}s", highlight=False)
+    report = cfg.run_path / "eval" / "report.md"
+    if report.is_file():
+        console.print(f"report: {report}", highlight=False)
+    return cfg.run_path
