@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from data.artifacts import read_manifest, write_manifest
+from data.artifacts import write_manifest
 from data.chat import prompt_ids, stop_token_ids
 from data.sources import iter_conversations
 from drafters.registry import load_drafter
@@ -31,6 +31,7 @@ from pipeline.config import RunConfig
 from pipeline.console import console
 from pipeline.errors import StageError
 from pipeline.target import load_target
+from pipeline.train import trained_drafter
 
 log = logging.getLogger(__name__)
 
@@ -51,22 +52,8 @@ def eval_prompts(cfg: RunConfig, tok) -> list[dict[str, Any]]:
     return prompts
 
 
-def find_drafter(cfg: RunConfig) -> Path:
-    if cfg.eval.drafter_path:
-        path = Path(cfg.eval.drafter_path)
-    else:
-        train = cfg.run_path / "train"
-        path = train / "best" if (train / "best" / "config.json").is_file() else train / "final"
-    if not (path / "config.json").is_file():
-        raise StageError(f"no trained drafter at {path}; run `draftsmith train`, pass --drafter DIR, or set eval.drafters")
-    return path
-
-
 def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     e = cfg.eval
-    if drafter:
-        cfg = cfg.model_copy(update={"eval": e.model_copy(update={"drafter_path": drafter})})
-        e = cfg.eval
     target = load_target(cfg.model)
     model, tok = target.model, target.tokenizer
     stops = stop_token_ids(tok, model)
@@ -80,12 +67,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     if e.confidence_threshold is not None and e.batch_size > 1:
         raise StageError("eval.confidence_threshold (adaptive draft length) runs one prompt at a time: set eval.batch_size=1")
     if "trained" in e.drafters:
-        path = find_drafter(cfg)
-        manifest_dir = path.parent
-        if (manifest_dir / "manifest.json").is_file():
-            trained_for = read_manifest(manifest_dir, "drafter")["target"]
-            if trained_for.get("sha256") != target.identity.get("sha256") or trained_for.get("name") != target.identity.get("name"):
-                raise StageError(f"the drafter in {path} was trained for {trained_for}, not this target {target.identity}")
+        path = trained_drafter(cfg, target.identity, drafter or e.drafter_path)
         try:
             d = load_drafter(path).to(target.device, model.dtype)
         except (ValueError, KeyError, OSError) as exc:

@@ -22,13 +22,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from data.artifacts import read_manifest, write_manifest
+from data.artifacts import write_manifest
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.registry import load_drafter
 from pipeline.config import RunConfig
 from pipeline.console import console
 from pipeline.errors import StageError
 from pipeline.target import load_config_of, load_head_weights, resolve_target
+from pipeline.train import trained_drafter
 
 log = logging.getLogger(__name__)
 
@@ -247,20 +248,10 @@ def _readme(out: Path, formats: dict[str, Path], cfg: RunConfig, model: Eagle3Dr
 
 def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
     x = cfg.export
-    source = Path(drafter) if drafter else None
-    if source is None:
-        train = cfg.run_path / "train"
-        source = train / "best" if (train / "best" / "config.json").is_file() else train / "final"
-    if not (source / "config.json").is_file():
-        raise StageError(f"no trained drafter at {source}; run `draftsmith train` or pass --drafter DIR")
-    model = load_drafter(source)
     spec = resolve_target(cfg.model)
+    source = trained_drafter(cfg, spec.identity(), drafter)
+    model = load_drafter(source)
     target_config = load_config_of(cfg.model, spec)
-    if (source.parent / "manifest.json").is_file():
-        trained_for = read_manifest(source.parent, "drafter")["target"]
-        ident = spec.identity()
-        if trained_for.get("name") != ident.get("name") or trained_for.get("sha256") != ident.get("sha256"):
-            raise StageError(f"{source} was trained for {trained_for}, not this run's target {ident}")
     dtype = DTYPES[x.dtype]
     out = cfg.run_path / "export"
     if out.exists():

@@ -389,6 +389,26 @@ class Trainer:
         return self.out
 
 
+def trained_drafter(cfg: RunConfig, identity: dict[str, Any], explicit: str | None = None) -> Path:
+    """The drafter directory later stages use (an explicit one, else RUN_DIR/train/best, else final), refused
+    when its training manifest says it was trained for another target."""
+    from data.artifacts import ArtifactError, check_same_target, read_manifest
+
+    if explicit:
+        path = Path(explicit)
+    else:
+        train = cfg.run_path / "train"
+        path = train / "best" if (train / "best" / "config.json").is_file() else train / "final"
+    if not (path / "config.json").is_file():
+        raise StageError(f"no trained drafter at {path}; run `draftsmith train` or pass --drafter DIR")
+    if (path.parent / "manifest.json").is_file():
+        try:
+            check_same_target(read_manifest(path.parent, "drafter"), identity, path)
+        except ArtifactError as exc:
+            raise StageError(str(exc)) from None
+    return path
+
+
 def run_train(cfg: RunConfig, resume: bool = False) -> Path:
     out = cfg.run_path / "train"
     if (out / "manifest.json").is_file() and not resume:
