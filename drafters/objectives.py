@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from drafters.losses import acceptance, position_losses, shift, simulated_acceptance_length, teacher_from_final
+from drafters.losses import (acceptance, draft_distribution, position_losses, shift, simulated_acceptance_length,
+                             teacher_from_final)
 from drafters.vocab import draft_to_target_ids
 
 
@@ -87,3 +88,130 @@ def summarize(stats: dict[str, float], steps: int) -> dict[str, float]:
     out["tau"] = stats.get("tau", 0.0) / max(stats.get("tau_n", 0.0), 1.0)
     out["oov_frac"] = stats.get("oov", 0.0) / max(stats.get("tau_n", 0.0), 1.0)
     return out
+
+
+# ------------------------------------------------------------------------------------------- DSpark
+
+
+@dataclass
+class DSparkObjectiveSettings:
+    block_size: int = 7
+    """γ: slots per block."""
+    anchors_per_sequence: int = 32
+    """Most anchors drawn per sequence."""
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    bce_weight: float = 1.0
+    decay: float | None = None
+    """Slot k (0-based) is weighted exp(-k/decay); None = block_size."""
+    temperature: float = 1.0
+    """Temperature of the teacher / acceptance targets; 0 = greedy."""
+    sample_markov_inputs: bool = False
+    """Condition the sequential bias on the drafter's own samples (training-time test)."""
+    seed: int = 0
+    """Salt of the per-(epoch, sequence) anchor draw."""
+
+    @property
+    def steps(self) -> int:
+        """Positions reported per anchor (the trainer's per-step statistics)."""
+        return self.block_size
+
+
+def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor, ids: list[str], count: int, seed: int,
+                   epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors [B, A], valid [B, A]): up to `count` distinct positions p per sequence whose next token p+1 is
+    supervised, drawn without replacement by a generator seeded from (seed, epoch, sequence id) so a resumed run
+    and every rank draw the same anchors. Sorted; padding anchors are 0 and invalid."""
+    import zlib
+
+    supervised_next = shift(loss_mask.bool() & attention_mask.bool(), 1)  # p is an anchor candidate if p+1 is supervised
+    chosen = []
+    for b, sid in enumerate(ids):
+        cand = supervised_next[b].nonzero().flatten().cpu()
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{epoch}:{sid}".encode()))
+        pick = cand[torch.randperm(cand.numel(), generator=gen)[:count]].sort().values
+        chosen.append(pick)
+    A = max(1, max(c.numel() for c in chosen))
+    anchors = torch.zeros(len(ids), A, dtype=torch.long)
+    valid = torch.zeros(len(ids), A, dtype=torch.bool)
+    for b, c in enumerate(chosen):
+        anchors[b, : c.numel()] = c
+        valid[b, : c.numel()] = True
+    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner, generator=None):
+    """Shared by the loss and the calibration data: anchors, teacher at every slot, the forward, slot validity."""
+    device = head_weight.device
+    input_ids = batch["input_ids"].to(device)
+    attention = batch["attention_mask"].to(device).bool()
+    loss_mask = (batch["loss_mask"].to(device) > 0) & attention
+    B, T = input_ids.shape
+    G = s.block_size
+    anchors, anchor_valid = sample_anchors(loss_mask, attention, list(batch["ids"]), s.anchors_per_sequence, s.seed,
+                                           int(batch.get("epoch", 0)))
+    pos = anchors[..., None] + torch.arange(G, device=device)  # slot k of anchor p: teacher at p+k, predicts p+k+1
+    # a slot counts while every slot before it does: the chain of a block stops at the end of the assistant turn
+    nxt = (pos + 1).clamp_max(T - 1)
+    ok = anchor_valid[..., None] & (pos + 1 < T) & loss_mask.gather(1, nxt.view(B, -1)).view_as(pos)
+    valid = ok.long().cumprod(-1).bool()
+    final = batch["final"].to(device)
+    gathered = final.gather(1, pos.clamp_max(T - 1).view(B, -1, 1).expand(-1, -1, final.shape[-1]))
+    draft_ids = draft_to_target_ids(inner.d2t)
+    teacher = teacher_from_final(gathered, head_weight, draft_ids, s.temperature)  # [B, A*G, ...]
+    sample_t = s.temperature if s.sample_markov_inputs else None
+    logits, conf, _ = model(batch["aux"].to(device), input_ids, attention, anchors, sample_t, generator)
+    D = logits.shape[-1]
+    return logits.reshape(B, -1, D), conf.reshape(B, -1), teacher, valid.reshape(B, -1), draft_ids
+
+
+def dspark_objective(model, batch: dict[str, Any], head_weight: torch.Tensor, s: DSparkObjectiveSettings,
+                     buffers=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`ce_weight·CE + tv_weight·TV + bce_weight·BCE` per slot, weighted exp(-k/decay), masked mean over the
+    valid slots of every block. TV is against the target's full-vocabulary distribution (at temperature 0:
+    against its softmax at temperature 1), so 1 - TV is exactly the acceptance probability the confidence head
+    is trained toward."""
+    inner = buffers if buffers is not None else model
+    G = s.block_size
+    logits, conf, teacher, valid, draft_ids = _dspark_forward(model, batch, head_weight, s, inner)
+    B = logits.shape[0]
+    slot = torch.arange(logits.shape[1], device=logits.device) % G
+    weight = torch.exp(-slot.float() / (s.decay or G))[None, :]
+    ce = position_losses(logits, teacher, "ce", s.temperature)
+    if teacher.exact is not None:
+        q = draft_distribution(logits, s.temperature)
+        tv = 1.0 - torch.minimum(teacher.exact, q).sum(-1)
+    else:
+        tv = position_losses(logits, teacher, "tv", s.temperature)
+    alpha = acceptance(logits, teacher, draft_ids, s.temperature)
+    bce = F.binary_cross_entropy_with_logits(conf.float(), alpha, reduction="none")
+    per = s.ce_weight * ce + s.tv_weight * tv + s.bce_weight * bce
+    mask = valid.float()
+    total = (weight * per * mask).sum() / mask.sum().clamp_min(1)
+    stats: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        correct = (draft_ids[logits.argmax(-1)] == teacher.argmax).float()
+        by_slot = lambda x: (x * mask).view(B, -1, G).sum((0, 1))  # noqa: E731
+        n, l_, a_, al, bc, cf = (by_slot(torch.ones_like(mask)), by_slot(per), by_slot(correct), by_slot(alpha),
+                                 by_slot(bce), by_slot(torch.sigmoid(conf.float())))
+        for k in range(G):
+            stats[f"n_{k}"], stats[f"loss_{k}"], stats[f"acc_{k}"] = n[k], l_[k], a_[k]
+            stats[f"accept_{k}"], stats[f"bce_{k}"], stats[f"conf_{k}"] = al[k], bc[k], cf[k]
+        a3, v3 = alpha.view(B, -1, G), valid.view(B, -1, G)
+        tau = simulated_acceptance_length([a3[..., k] for k in range(G)], [v3[..., k] for k in range(G)])
+        start = v3[..., 0]
+        stats["tau"] = (tau * start).sum()
+        stats["tau_n"] = start.sum().float()
+        stats["oov"] = (~teacher.in_vocab.view(B, -1, G)[..., 0] & start).sum().float()
+        stats["tokens"] = batch["attention_mask"].sum().float().to(logits.device)
+    return total, stats
+
+
+@torch.no_grad()
+def dspark_calibration_data(model, batch: dict[str, Any], head_weight: torch.Tensor, s: DSparkObjectiveSettings):
+    """(confidence logits, acceptance probabilities, validity), each [blocks, γ], for fitting the temperatures."""
+    logits, conf, teacher, valid, draft_ids = _dspark_forward(model, batch, head_weight, s, model)
+    alpha = acceptance(logits, teacher, draft_ids, s.temperature)
+    G = s.block_size
+    keep = valid.view(-1, G)[:, 0]
+    return conf.float().view(-1, G)[keep], alpha.view(-1, G)[keep], valid.view(-1, G)[keep]

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from drafters.dspark import DSparkDrafter
 from drafters.eagle3 import Eagle3Drafter
-from drafters.objectives import eagle3_objective
+from drafters.objectives import dspark_objective, eagle3_objective
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class DrafterFamily:
 
 REGISTRY: dict[str, DrafterFamily] = {
     "eagle3": DrafterFamily("eagle3", Eagle3Drafter, eagle3_objective),
+    "dspark": DrafterFamily("dspark", DSparkDrafter, dspark_objective),
 }
 
 

@@ -157,3 +157,76 @@ class Eagle3Proposer:
         """After tree verification: the accepted path's tokens and the target's features of root + path."""
         self.cache.crop(self.ctx)
         self._extend(feats, list(tokens) + [new])
+
+
+class DSparkProposer:
+    """A DSpark-style block drafter: one backbone pass per round drafts the block, then tokens are sampled left
+    to right from the logits plus the sequential bias of the token just sampled. The context keys/values come
+    from the target's features of verified positions and are appended after each round (never rolled back:
+    only verified positions enter them). q is the biased distribution each token was actually sampled from.
+
+    Adaptive length: the calibrated confidence of position i reads the block state and the token at position
+    i-1, never x_i; drafting stops before position i when the running survival would fall below the threshold,
+    so whether x_i is verified does not depend on x_i (non-anticipating)."""
+
+    name = "dspark"
+    needs_features = True
+
+    def __init__(self, drafter, confidence_threshold: float | None = None, draft_length: int | None = None):
+        self.drafter = drafter.eval()
+        self.device = next(drafter.parameters()).device
+        self.ids = draft_to_target_ids(drafter.d2t).to(self.device)
+        self.vocab = drafter.config.vocab_size
+        self.threshold = confidence_threshold
+        self.block = drafter.config.block_size
+        self.length = min(draft_length or self.block, self.block)
+        self.aux_ids = drafter.config.aux_layer_ids
+
+    def _extend(self, feats: torch.Tensor) -> None:
+        n = feats.shape[0]
+        pos = torch.arange(self.ctx, self.ctx + n, device=self.device).unsqueeze(0)
+        self.drafter.extend_context(self.cache, feats.unsqueeze(0).to(self.device), pos)
+        self.ctx += n
+
+    @torch.no_grad()
+    def start(self, prompt, first, feats):
+        self.cache = self.drafter.new_cache()
+        self.ctx = 0
+        self._extend(feats)  # the prompt's positions; the anchor is `first`, at position len(prompt)
+        self.anchor = first
+
+    @torch.no_grad()
+    def propose(self, history, k, params, gen):
+        k = min(k, self.length)
+        h, base = self.drafter.draft_block(self.cache, torch.tensor([self.anchor], device=self.device),
+                                           torch.tensor([self.ctx], device=self.device))
+        drafts, qs, confs = [], [], []
+        survival = 1.0
+        prev = self.anchor
+        for i in range(k):
+            logits, conf = self.drafter.heads(h[:, i], torch.tensor([prev], device=self.device), base[:, i])
+            c = float(self.drafter.calibrated(conf[0], i))
+            if self.threshold is not None and i > 0 and survival * c < self.threshold:
+                break
+            survival *= c
+            if params.greedy:
+                x = int(self.ids[logits[0].argmax()])
+            else:
+                qd = probs_from_logits(logits[0], params)
+                q = torch.zeros(self.vocab, device=self.device, dtype=qd.dtype)
+                q[self.ids] = qd
+                x = sample(q, gen)
+                qs.append(q)
+            drafts.append(x)
+            confs.append(c)
+            prev = x
+        return drafts, (torch.stack(qs) if qs else None), confs
+
+    @torch.no_grad()
+    def commit(self, drafts, n, new, feats):
+        self._extend(feats)  # the old anchor and the n accepted drafts are now verified positions
+        self.anchor = new
+
+
+PROPOSERS = {"eagle3": Eagle3Proposer, "dspark": DSparkProposer}
+"""The proposer of each trained drafter family."""

@@ -37,7 +37,7 @@ STAGES = {
     "prepare": "ingest datasets, apply the chat template, compute assistant loss masks, split train/holdout",
     "generate": "regenerate every assistant turn with the target (on-policy), optionally self-synthesizing prompts",
     "collect": "run the target over the records and store its aux-layer and final hidden states (feature store)",
-    "train": "train the drafter (EAGLE-3 with training-time test) on the features, with accelerate / DeepSpeed",
+    "train": "train the drafters of train.drafters (EAGLE-3 with training-time test, DSpark block drafter) on the features, with accelerate / DeepSpeed",
     "eval": "measure acceptance length per domain and speedup with the exact speculative-decoding verifier",
     "export": "write the drafter for vLLM / SGLang (eagle3/) and in the speculators format (speculators/)",
     "import": "load an exported drafter directory (--from DIR) back into draftsmith (RUN_DIR/imported)",

@@ -149,9 +149,58 @@ class CollectConfig(Section):
     largest magnitude (bf16 storage rounds to ~0.4%)."""
 
 
+class DSparkSettings(Section):
+    """Settings of the DSpark-style block drafter (train.drafters includes `dspark`)."""
+
+    block_size: int = Field(7, ge=1)
+    """γ: tokens drafted per block; the block input is [anchor, MASK × (γ−1)] and slot k predicts the token
+    k+1 after the anchor."""
+    num_layers: int = Field(3, ge=1)
+    """Backbone decoder layers (the target's features are injected into every layer's keys/values)."""
+    intermediate_size: int | None = None
+    """Backbone MLP width; None = the target's."""
+    num_attention_heads: int | None = None
+    """Backbone attention heads; None = the target's."""
+    num_key_value_heads: int | None = None
+    """Backbone KV heads; None = the target's."""
+    head_dim: int | None = None
+    """Backbone head size; None = the target's."""
+    aux_layer_ids: list[int] | None = None
+    """The subset of the feature store's aux layers the drafter fuses (HF hidden_states indices); None = all
+    of them (capture several evenly spaced layers with collect.aux_layer_ids)."""
+    markov_rank: int = Field(256, ge=0)
+    """Rank r of the sequential bias W1[x_{k-1}] W2 (0 disables it: a plain parallel block drafter)."""
+    mask_token_id: int | None = None
+    """Token whose (frozen) embedding fills the MASK slots; None = the last id of the target vocabulary."""
+    anchors_per_sequence: int = Field(32, ge=1)
+    """Most anchors (blocks) drawn per training sequence; re-drawn every epoch."""
+    ce_weight: float = Field(0.1, ge=0.0)
+    """Weight of the soft cross-entropy to the teacher."""
+    tv_weight: float = Field(0.9, ge=0.0)
+    """Weight of the total-variation distance to the teacher (1 − acceptance probability)."""
+    bce_weight: float = Field(1.0, ge=0.0)
+    """Weight of the confidence head's BCE toward the exact acceptance probability."""
+    decay: float | None = Field(None, gt=0.0)
+    """Slot k (1-based) is weighted exp(−(k−1)/decay); None = block_size."""
+    sample_markov_inputs: bool = False
+    """Training-time test for the sequential bias: condition slot k on the token the drafter itself sampled at
+    slot k−1 (instead of the data token)."""
+    calibrate: bool = True
+    """Fit sequential temperature scaling of the confidences on the holdout split after training."""
+    calibration_bins: int = Field(10, ge=2)
+    """Equal-width bins of the expected calibration error the temperatures minimize."""
+    lr: float | None = Field(None, gt=0.0)
+    """Peak learning rate for this drafter; None = train.lr."""
+    epochs: int | None = Field(None, ge=1)
+    """Epochs for this drafter; None = train.epochs."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps for this drafter; None = train.max_steps."""
+
+
 class TrainConfig(Section):
-    drafter: Literal["eagle3"] = "eagle3"
-    """Drafter family (see drafters/registry.py)."""
+    drafters: list[Literal["eagle3", "dspark"]] = ["eagle3"]
+    """Drafter families to train, each into RUN_DIR/train/<family>/ (see drafters/registry.py). The settings
+    below are shared; `ttt_steps` ... `head_dim` shape EAGLE-3, the `dspark` section shapes DSpark."""
     features: Literal["offline", "online"] = "offline"
     """Read features from the collected store, or compute them with the target inside training."""
     ttt_steps: int = Field(7, ge=1)
@@ -212,6 +261,16 @@ class TrainConfig(Section):
     """Experiment tracker; wandb runs offline when no API key is configured."""
     wandb_project: str = "draftsmith"
     """wandb project name."""
+    dspark: DSparkSettings = DSparkSettings()
+    """The DSpark-style block drafter."""
+
+    @model_validator(mode="after")
+    def _distinct_drafters(self) -> "TrainConfig":
+        if not self.drafters:
+            raise ValueError("train.drafters needs at least one drafter family")
+        if len(set(self.drafters)) != len(self.drafters):
+            raise ValueError(f"train.drafters lists a family twice: {self.drafters}")
+        return self
 
 
 class EvalConfig(Section):
@@ -226,7 +285,9 @@ class EvalConfig(Section):
     top_k: int = Field(0, ge=0)
     """Top-k cutoff (0: off), applied identically to target and drafter."""
     draft_length: int = Field(5, ge=1)
-    """Chain draft length γ."""
+    """Chain draft length γ (EAGLE-3 and prompt lookup)."""
+    block_draft_length: int | None = Field(None, ge=1)
+    """Tokens a block drafter (DSpark) proposes per round, at most its block size; None = its block size."""
     max_new_tokens: int = Field(256, ge=1)
     """Tokens generated per prompt."""
     tree_depth: int | None = Field(None, ge=1)

@@ -23,7 +23,7 @@ from drafters.registry import load_drafter
 from eval.batch import decode_batch
 from eval.engine import TreeSpec, decode
 from eval.metrics import acceptance_stats, calibration
-from eval.proposers import Eagle3Proposer, NoDraft, PromptLookup
+from eval.proposers import PROPOSERS, NoDraft, PromptLookup
 from eval.report import markdown_table, plots
 from eval.runner import HFTarget
 from eval.sampling import SamplingParams
@@ -60,22 +60,33 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     proposers: dict[str, Any] = {"none": NoDraft()}
     if "prompt_lookup" in e.drafters:
         proposers["prompt_lookup"] = PromptLookup(e.prompt_lookup_max_ngram)
-    drafter_info = None
+    drafter_info: dict[str, dict[str, Any]] = {}
     if e.tree_depth is not None and e.batch_size > 1:
         raise StageError("eval.tree_depth (tree drafting) runs one prompt at a time: set eval.batch_size=1")
     tree = TreeSpec(e.tree_depth, e.tree_top_k, e.tree_nodes) if e.tree_depth else None
     if e.confidence_threshold is not None and e.batch_size > 1:
         raise StageError("eval.confidence_threshold (adaptive draft length) runs one prompt at a time: set eval.batch_size=1")
     if "trained" in e.drafters:
-        path = trained_drafter(cfg, target.identity, drafter or e.drafter_path)
-        try:
-            d = load_drafter(path).to(target.device, model.dtype)
-        except (ValueError, KeyError, OSError) as exc:
-            raise StageError(f"cannot load the drafter in {path}: {exc}") from None
-        proposers[d.name] = Eagle3Proposer(d, e.confidence_threshold)
-        drafter_info = {"path": str(path), "family": d.name, "aux_layer_ids": d.config.aux_layer_ids}
+        explicit = drafter or e.drafter_path
+        paths = ([trained_drafter(cfg, target.identity, explicit)] if explicit else
+                 [trained_drafter(cfg, target.identity, None, family) for family in cfg.train.drafters])
+        for path in paths:
+            try:
+                d = load_drafter(path).to(target.device, model.dtype)
+            except (ValueError, KeyError, OSError) as exc:
+                raise StageError(f"cannot load the drafter in {path}: {exc}") from None
+            if d.name != "eagle3" and (e.batch_size > 1 or tree is not None):
+                raise StageError(f"the {d.name} drafter drafts chains one prompt at a time: set eval.batch_size=1 and "
+                                 "leave eval.tree_depth unset")
+            kwargs = {"draft_length": e.block_draft_length} if d.name == "dspark" else {}
+            proposers[d.name] = PROPOSERS[d.name](d, e.confidence_threshold, **kwargs)
+            drafter_info[d.name] = {"path": str(path), "family": d.name, "aux_layer_ids": d.config.aux_layer_ids}
+            calib = path / "calibration.json"
+            if calib.is_file():
+                drafter_info[d.name]["calibration"] = json.loads(calib.read_text())
     plain = HFTarget(model)
-    with_features = HFTarget(model, aux_ids=drafter_info["aux_layer_ids"]) if drafter_info else None
+    feature_targets = {name: HFTarget(model, aux_ids=info["aux_layer_ids"]) for name, info in drafter_info.items()}
+    gammas = {name: getattr(p, "length", None) or e.draft_length for name, p in proposers.items()}
     prompts = eval_prompts(cfg, tok)
     log.info("eval: %d prompts, drafters %s, temperatures %s", len(prompts), list(proposers), e.temperatures)
 
@@ -95,8 +106,9 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
             for name, proposer in proposers.items():
                 ids = [p["ids"] for p in batch]
                 if e.batch_size == 1:
-                    runner = with_features if getattr(proposer, "needs_features", False) else plain
-                    res = [decode(runner, proposer, ids[0], params, e.draft_length, e.max_new_tokens, stops, gen,
+                    runner = feature_targets.get(name, plain)
+                    gamma = proposer.length if name == "dspark" else e.draft_length
+                    res = [decode(runner, proposer, ids[0], params, gamma, e.max_new_tokens, stops, gen,
                                   tree=tree if hasattr(proposer, "propose_tree") else None)]
                 else:
                     res = decode_batch(model, ids, name, params, e.draft_length, e.max_new_tokens, stops, gen,
@@ -111,7 +123,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         bar.close()
         domains = {}
         for domain, per in by.items():
-            row = {name: acceptance_stats(results, e.draft_length) for name, results in per.items()}
+            row = {name: acceptance_stats(results, gammas[name]) for name, results in per.items()}
             for name in row:
                 if name != "none" and row["none"]["tokens_per_s"]:
                     row[name]["speedup"] = row[name]["tokens_per_s"] / row["none"]["tokens_per_s"]
@@ -119,7 +131,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         overall = {}
         for name in proposers:
             results = [r for per in by.values() for r in per[name]]
-            overall[name] = acceptance_stats(results, e.draft_length)
+            overall[name] = acceptance_stats(results, gammas[name])
             overall[name]["calibration"] = calibration(results)
             if name != "none":
                 overall[name]["speedup"] = overall[name]["tokens_per_s"] / overall["none"]["tokens_per_s"]
@@ -132,7 +144,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     ev = {
         "target": target.identity,
-        "drafter": drafter_info,
+        "drafters": drafter_info,
         "settings": {**e.model_dump(mode="json"), "device": str(target.device), "dtype": str(model.dtype),
                      "prompts": len(prompts)},
         "runs": runs,
@@ -140,8 +152,9 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     (out / "eval.json").write_text(json.dumps(ev, indent=2))
     table = markdown_table(ev)
     written = plots(ev, out)
-    (out / "report.md").write_text(f"# draftsmith eval\n\nTarget: `{target.identity['name']}`; drafter: "
-                                   f"`{drafter_info['path'] if drafter_info else 'none'}`; device {target.device}, "
+    trained_list = ", ".join(f"{n} `{i['path']}`" for n, i in drafter_info.items()) or "none"
+    (out / "report.md").write_text(f"# draftsmith eval\n\nTarget: `{target.identity['name']}`; trained drafters: "
+                                   f"{trained_list}; device {target.device}, "
                                    f"{model.dtype}; {len(prompts)} prompts.\n\n{table}\n"
                                    + "".join(f"\n![{w}]({w})\n" for w in written))
     write_manifest(out, "eval", target=target.identity, drafter=drafter_info, files=["eval.json", "report.md", *written])

@@ -8,7 +8,13 @@ Formats (rules in ../shared/reference/engine-formats.md, re-checked against the 
   reported. The embedding is not written: both engines share the target's.
 - `speculators/`: the vllm-project/speculators layout (`Eagle3Speculator`, `layers.N.*`, `embed_tokens`,
   `t2d`, `d2t`, `speculators_config`), which `vllm serve DIR` serves directly.
-The confidence head is draftsmith's own (adaptive verification in `eval`) and is not exported.
+- `dspark/`: a DSpark drafter in the speculators DSpark layout (`DSparkSpeculator`: the DFlash-style
+  backbone plus `markov_head.markov_w1/w2` and `confidence_head.proj`), for vLLM's `method: dspark`. Our
+  parameter names are already that layout; the embedding is left out (loaded from the target). SGLang has no
+  DSpark drafter.
+EAGLE-3's confidence head is draftsmith's own (adaptive verification in `eval`) and is not exported; DSpark's
+is part of the layout. DSpark's fitted confidence temperatures stay in draftsmith's checkpoint (the layout has
+no field for them).
 """
 
 from __future__ import annotations
@@ -146,6 +152,52 @@ def speculators_files(model: Eagle3Drafter, target_config, target_name: str, dty
     return tensors, config
 
 
+def dspark_files(model, target_config, target_name: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, config.json) of a DSpark drafter in the speculators `dspark` layout."""
+    cfg = model.config
+    tensors = {}
+    for key, value in model.state_dict().items():
+        if key.startswith("rotary.") or key == "embed_tokens.weight":
+            continue
+        tensors[key] = value if key in ("d2t", "t2d") else value.to(dtype)
+    layer_config = {
+        "model_type": "qwen3",  # the speculators DFlash backbone is Qwen3-style (per-head q/k RMSNorm)
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_layers, "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+    if cfg.extra.get("rope_scaling"):
+        layer_config["rope_scaling"] = cfg.extra["rope_scaling"]
+    config = {
+        "speculators_model_type": "dspark",
+        "architectures": ["DSparkSpeculator"],
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),  # HF hidden_states indices, as speculators reads them
+        "mask_token_id": cfg.mask_token_id,
+        "sample_from_anchor": True,  # slot 0 predicts the token after the anchor: block_size drafted tokens
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": cfg.markov_rank > 0,
+        "speculators_config": {
+            "algorithm": "dspark",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target_name,
+                         "architectures": list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])},
+        },
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    return tensors, config
+
+
 def _write(directory: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
@@ -203,16 +255,18 @@ def import_drafter(directory: str | Path, embed_weight: torch.Tensor | None = No
 # ------------------------------------------------------------------------------------------ stage
 
 
-def _readme(out: Path, formats: dict[str, Path], cfg: RunConfig, model: Eagle3Drafter, target_name: str,
+def _readme(formats: dict[str, Path], cfg: RunConfig, models: dict[str, Any], target_name: str,
             refusal: str | None, k: int) -> str:
-    lines = [f"# EAGLE-3 drafter for `{target_name}`", "",
-             f"Trained with draftsmith; {model.config.num_layers} layer(s), draft vocab {model.config.draft_vocab_size}, "
-             f"aux layers {model.config.aux_layer_ids} (HF hidden_states indices).", ""]
+    lines = [f"# Drafters for `{target_name}`", ""]
+    if "eagle3" in models:
+        m = models["eagle3"]
+        lines += [f"EAGLE-3: {m.config.num_layers} layer(s), draft vocab {m.config.draft_vocab_size}, aux layers "
+                  f"{m.config.aux_layer_ids} (HF hidden_states indices).", ""]
     if "eagle3" in formats:
         d = formats["eagle3"]
-        lines += ["## vLLM", "", "```bash",
+        lines += ["## EAGLE-3 on vLLM", "", "```bash",
                   f"vllm serve {target_name} --speculative-config '{json.dumps({'method': 'eagle3', 'model': str(d), 'num_speculative_tokens': k})}'",
-                  "```", "", "## SGLang", ""]
+                  "```", "", "## EAGLE-3 on SGLang", ""]
         if refusal:
             lines += [f"Not loadable by SGLang: {refusal}.", ""]
         else:
@@ -220,12 +274,21 @@ def _readme(out: Path, formats: dict[str, Path], cfg: RunConfig, model: Eagle3Dr
                       f"--speculative-draft-model-path {d} --speculative-num-steps {k} --speculative-eagle-topk 1 "
                       f"--speculative-num-draft-tokens {k + 1}", "```", ""]
     if "speculators" in formats:
-        lines += ["## speculators format (vLLM serves it directly)", "", "```bash", f"vllm serve {formats['speculators']}", "```", ""]
-    train_manifest = cfg.run_path / "train" / "manifest.json"
-    if train_manifest.is_file():
-        tm = json.loads(train_manifest.read_text())
-        lines += ["## Training", "", f"{tm.get('steps')} optimizer steps, best holdout simulated τ "
-                  f"{tm.get('best_holdout_tau')}; features from `{cfg.run_path / 'features'}`.", ""]
+        lines += ["## EAGLE-3, speculators format (vLLM serves it directly)", "", "```bash", f"vllm serve {formats['speculators']}", "```", ""]
+    if "dspark" in formats:
+        m = models["dspark"]
+        lines += ["## DSpark block drafter (speculators DSpark layout, vLLM `method: dspark`)", "",
+                  f"{m.config.num_layers} backbone layers, block {m.config.block_size}, sequential-bias rank "
+                  f"{m.config.markov_rank}, draft vocab {m.config.draft_vocab_size}, aux layers {m.config.aux_layer_ids}.", "",
+                  "```bash",
+                  f"vllm serve {target_name} --speculative-config '{json.dumps({'method': 'dspark', 'model': str(formats['dspark']), 'num_speculative_tokens': m.config.block_size})}'",
+                  "```", "", "SGLang has no DSpark drafter.", ""]
+    for family in models:
+        train_manifest = cfg.run_path / "train" / family / "manifest.json"
+        if train_manifest.is_file():
+            tm = json.loads(train_manifest.read_text())
+            lines += [f"## Training ({family})", "", f"{tm.get('steps')} optimizer steps, best holdout simulated τ "
+                      f"{tm.get('best_holdout_tau')}; features from `{cfg.run_path / 'features'}`.", ""]
     feats = cfg.run_path / "features" / "manifest.json"
     if feats.is_file():
         fm = json.loads(feats.read_text())
@@ -234,43 +297,54 @@ def _readme(out: Path, formats: dict[str, Path], cfg: RunConfig, model: Eagle3Dr
     eval_json = cfg.run_path / "eval" / "eval.json"
     if eval_json.is_file():
         ev = json.loads(eval_json.read_text())
-        lines += ["## Measured acceptance length (draftsmith eval)", "", "| T | domain | τ | speedup |", "|---|---|---|---|"]
+        lines += ["## Measured acceptance length (draftsmith eval)", "", "| T | drafter | domain | τ | speedup |",
+                  "|---|---|---|---|---|"]
         for run in ev["runs"]:
-            name = next((d for d in run["drafters"] if d not in ("none", "prompt_lookup")), None)
-            if name is None:
-                continue
-            for domain, row in run["domains"].items():
-                s = row[name]
-                lines.append(f"| {run['temperature']} | {domain} | {s['tau']:.2f} | {s.get('speedup', 0):.2f}x |")
+            for name in [d for d in run["drafters"] if d in models]:
+                for domain, row in run["domains"].items():
+                    st = row[name]
+                    lines.append(f"| {run['temperature']} | {name} | {domain} | {st['tau']:.2f} | {st.get('speedup', 0):.2f}x |")
         lines.append("")
     return "\n".join(lines)
 
 
 def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
+    """Export the trained drafter(s): `drafter` (a directory), else every family of train.drafters."""
     x = cfg.export
     spec = resolve_target(cfg.model)
-    source = trained_drafter(cfg, spec.identity(), drafter)
-    model = load_drafter(source)
+    sources = ([trained_drafter(cfg, spec.identity(), drafter)] if drafter else
+               [trained_drafter(cfg, spec.identity(), None, family) for family in cfg.train.drafters])
+    models = {}
+    for source in sources:
+        model = load_drafter(source)
+        models[model.name] = model
     target_config = load_config_of(cfg.model, spec)
+    target_name = spec.location if spec.kind != "gguf" else spec.name
     dtype = DTYPES[x.dtype]
     out = cfg.run_path / "export"
     if out.exists():
         shutil.rmtree(out)
     written: dict[str, Path] = {}
-    refusal = sglang_refusal(model.config)
-    if "vllm" in x.formats or "sglang" in x.formats:
-        if "sglang" in x.formats and refusal:
-            console.print(f"[yellow]export: not writing an SGLang-loadable directory: {refusal}[/]")
-        tensors, config = eagle3_engine_files(model, target_config, dtype)
-        _write(out / "eagle3", tensors, config)
-        written["eagle3"] = out / "eagle3"
-    if "speculators" in x.formats:
-        tensors, config = speculators_files(model, target_config, spec.location if spec.kind != "gguf" else spec.name,
-                                            dtype, cfg.eval.draft_length)
-        _write(out / "speculators", tensors, config)
-        written["speculators"] = out / "speculators"
-    (out / "README.md").write_text(_readme(out, written, cfg, model, spec.name, refusal, cfg.eval.draft_length))
-    write_manifest(out, "export", target=spec.identity(), source=str(source), dtype=x.dtype,
+    refusal = None
+    if "eagle3" in models:
+        model = models["eagle3"]
+        refusal = sglang_refusal(model.config)
+        if "vllm" in x.formats or "sglang" in x.formats:
+            if "sglang" in x.formats and refusal:
+                console.print(f"[yellow]export: not writing an SGLang-loadable directory: {refusal}[/]")
+            tensors, config = eagle3_engine_files(model, target_config, dtype)
+            _write(out / "eagle3", tensors, config)
+            written["eagle3"] = out / "eagle3"
+        if "speculators" in x.formats:
+            tensors, config = speculators_files(model, target_config, target_name, dtype, cfg.eval.draft_length)
+            _write(out / "speculators", tensors, config)
+            written["speculators"] = out / "speculators"
+    if "dspark" in models and ("vllm" in x.formats or "speculators" in x.formats):
+        tensors, config = dspark_files(models["dspark"], target_config, target_name, dtype)
+        _write(out / "dspark", tensors, config)
+        written["dspark"] = out / "dspark"
+    (out / "README.md").write_text(_readme(written, cfg, models, spec.name, refusal, cfg.eval.draft_length))
+    write_manifest(out, "export", target=spec.identity(), sources={n: str(s) for n, s in zip(models, sources)}, dtype=x.dtype,
                    formats={k: str(v.relative_to(out)) for k, v in written.items()}, sglang_refusal=refusal)
     console.print(f"export -> {out}: " + ", ".join(f"{k}/" for k in written), highlight=False)
     return out

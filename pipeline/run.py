@@ -80,15 +80,26 @@ def run_all(cfg: RunConfig) -> Path:
                 timings[stage] = "complete"
                 continue
         elif stage == "train":
-            train = cfg.run_path / "train"
-            if (train / "manifest.json").is_file():
-                recorded = json.loads((train / "manifest.json").read_text())["config"]["train"]
-                if recorded == cfg.train.model_dump(mode="json") and not upstream_ran:
-                    log.info("train: %s is complete for this config, skipped", train)
-                    timings[stage] = "skipped"
-                    continue
-            resume = (train / "checkpoints").is_dir() and any((train / "checkpoints").glob("step-*"))
-            run_train(cfg, resume=resume)
+            from pipeline.errors import StageError
+            from pipeline.train import train_dir
+
+            todo = []
+            for family in cfg.train.drafters:
+                out = train_dir(cfg, family)
+                if (out / "manifest.json").is_file():
+                    recorded = json.loads((out / "manifest.json").read_text())["config"]["train"]
+                    if recorded == cfg.train.model_dump(mode="json") and not upstream_ran:
+                        log.info("train: %s is complete for this config, skipped", out)
+                        continue
+                    raise StageError(f"{out} holds a finished training run made with other settings or older data; "
+                                     "delete it (or use another run_dir) to retrain")
+                todo.append(family)
+            if not todo:
+                timings[stage] = "skipped"
+                continue
+            resume = any((train_dir(cfg, f) / "checkpoints").is_dir() and any((train_dir(cfg, f) / "checkpoints").glob("step-*"))
+                         for f in todo)
+            run_train(cfg, resume=resume, families=todo)
         elif stage == "eval":
             if _eval_matches(cfg) and not upstream_ran:
                 log.info("eval: %s matches this config, skipped", cfg.run_path / "eval")

@@ -6,8 +6,10 @@ store or are computed online by the target; batches are length-bucketed, reshuff
 across ranks (`data.features.iterate_batches`), so a resumed run sees exactly the batches the
 uninterrupted one would have.
 
-Output: RUN_DIR/train/ with checkpoints/step-N (accelerate state + drafter), best/ (highest holdout
-simulated acceptance length), final/ and a manifest.json once training completed.
+Output: RUN_DIR/train/<family>/ for each family in train.drafters, with checkpoints/step-N (accelerate
+state + drafter), best/ (highest holdout simulated acceptance length), final/ and a manifest.json once
+training completed. A drafter with a confidence head that is calibrated after training (DSpark) gets its
+fitted temperatures written into best/ and final/ with a calibration.json (holdout ECE before/after).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tqdm.auto import tqdm
 from data.artifacts import atomic_write_text, write_manifest
 from data.feature_store import FeatureStore
 from data.features import FeatureSource, OnlineFeatureSource, plan_batches, resolve_aux_ids
-from drafters.objectives import ObjectiveSettings, summarize
+from drafters.objectives import DSparkObjectiveSettings, ObjectiveSettings, summarize
 from drafters.registry import get_family
 from drafters.vocab import select_draft_vocab
 from pipeline.collect import input_records
@@ -70,6 +72,54 @@ def token_counts(source: FeatureSource, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+class AuxSubset:
+    """A feature source seen through a subset of its aux layers (a drafter fusing fewer layers than were captured)."""
+
+    def __init__(self, source: FeatureSource, source_ids: list[int], wanted: list[int], hidden: int):
+        missing = [i for i in wanted if i not in source_ids]
+        if missing:
+            raise StageError(f"aux layers {missing} were not captured (the features hold {source_ids}); "
+                             "collect them with collect.aux_layer_ids")
+        self.source, self.meta, self.lengths = source, source.meta, source.lengths
+        self.columns = torch.cat([torch.arange(source_ids.index(i) * hidden, (source_ids.index(i) + 1) * hidden) for i in wanted])
+
+    def tokens(self, i: int):
+        return self.source.tokens(i)
+
+    def load_batch(self, indices):
+        batch = self.source.load_batch(indices)
+        batch["aux"] = batch["aux"].index_select(-1, self.columns.to(batch["aux"].device))
+        return batch
+
+
+def family_settings(cfg: RunConfig, family: str) -> dict[str, Any]:
+    """What differs per family: the objective settings, the constructor's shape arguments, the aux layers it
+    fuses (None: all captured), and its optimizer overrides."""
+    t = cfg.train
+    if family == "eagle3":
+        return {
+            "objective": ObjectiveSettings(t.ttt_steps, t.step_decay, t.loss, t.temperature, t.confidence_weight,
+                                           t.gradient_checkpointing),
+            "shape": dict(num_layers=t.num_layers, intermediate_size=t.intermediate_size,
+                          num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                          head_dim=t.head_dim),
+            "aux": None, "lr": t.lr, "epochs": t.epochs, "max_steps": t.max_steps,
+        }
+    d = t.dspark
+    return {
+        "objective": DSparkObjectiveSettings(d.block_size, d.anchors_per_sequence, d.ce_weight, d.tv_weight, d.bce_weight,
+                                             d.decay, t.temperature, d.sample_markov_inputs, cfg.seed),
+        "shape": dict(num_layers=d.num_layers, intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
+                      num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, block_size=d.block_size,
+                      markov_rank=d.markov_rank, mask_token_id=d.mask_token_id),
+        "aux": d.aux_layer_ids, "lr": d.lr or t.lr, "epochs": d.epochs or t.epochs, "max_steps": d.max_steps or t.max_steps,
+    }
+
+
+def train_dir(cfg: RunConfig, family: str) -> Path:
+    return cfg.run_path / "train" / family
+
+
 def plan_epoch(source: FeatureSource, cfg: RunConfig, epoch: int, rank: int, world: int, split: str = "train") -> list[list[int]]:
     return plan_batches(source, cfg.train.batch_tokens, split, cfg.seed, epoch, rank, world, shuffle=split == "train")
 
@@ -77,7 +127,7 @@ def plan_epoch(source: FeatureSource, cfg: RunConfig, epoch: int, rank: int, wor
 # ---------------------------------------------------------------------------------------- the trainer
 
 
-def _accelerator(cfg: RunConfig):
+def _accelerator(cfg: RunConfig, out: Path):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
@@ -112,7 +162,7 @@ def _accelerator(cfg: RunConfig):
         kwargs["log_with"] = "wandb"
     # DeepSpeed brings its own accelerator (DS_ACCELERATOR=cpu on CPU); cpu=True would make accelerate drop it
     return Accelerator(cpu=not cuda and not cfg.train.deepspeed, mixed_precision=mp, gradient_accumulation_steps=cfg.train.gradient_accumulation,
-                       project_dir=str(cfg.run_path / "train"), **kwargs)
+                       project_dir=str(out), **kwargs)
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -134,17 +184,22 @@ def _add(acc: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, family: str = "eagle3"):
         self.cfg = cfg
         t = cfg.train
-        self.out = cfg.run_path / "train"
-        self.accelerator = _accelerator(cfg)
+        fs = family_settings(cfg, family)
+        self.epochs, self.max_steps = fs["epochs"], fs["max_steps"]
+        self.out = train_dir(cfg, family)
+        self.accelerator = _accelerator(cfg, self.out)
         acc = self.accelerator
         self.device = acc.device
         spec = resolve_target(cfg.model)
         self.identity = spec.identity()
         target_config = load_config_of(cfg.model, spec)
         self.source, self.aux_ids, target_model = feature_source(cfg, self.identity, target_config)
+        if fs["aux"] is not None and list(fs["aux"]) != list(self.aux_ids):
+            self.source = AuxSubset(self.source, list(self.aux_ids), list(fs["aux"]), target_config.hidden_size)
+            self.aux_ids = list(fs["aux"])
         if not any(m["split"] == "train" for m in self.source.meta):
             raise StageError("the training split is empty (no records with assistant tokens in split 'train')")
         too_long = [(m["id"], n) for m, n in zip(self.source.meta, self.source.lengths) if n > t.batch_tokens]
@@ -170,23 +225,23 @@ class Trainer:
 
                 self.out.mkdir(parents=True, exist_ok=True)
                 save_file({"d2t": d2t, "t2d": t2d}, str(self.out / "vocab.safetensors"))
-        self.family = get_family(t.drafter)
+        self.family = get_family(family)
         torch.manual_seed(cfg.seed)
-        model = self.family.model_class.from_target(
-            target_config, self.aux_ids, self.draft_vocab_size, embed, d2t, t2d,
-            num_layers=t.num_layers, intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim,
-        )
+        extra = {"head_weight": head} if family == "dspark" else {}
+        try:
+            model = self.family.model_class.from_target(target_config, self.aux_ids, self.draft_vocab_size, embed, d2t, t2d,
+                                                        **extra, **fs["shape"])
+        except ValueError as exc:
+            raise StageError(f"train ({family}): {exc}") from None
         self.head_weight = head.to(self.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32)
-        self.settings = ObjectiveSettings(t.ttt_steps, t.step_decay, t.loss, t.temperature, t.confidence_weight,
-                                          t.gradient_checkpointing)
+        self.settings = fs["objective"]
         self.batches_per_epoch = len(plan_epoch(self.source, cfg, 0, acc.process_index, acc.num_processes))
         if self.batches_per_epoch == 0:
             raise StageError("not enough training batches for every rank to get one; lower train.batch_tokens")
         steps_per_epoch = max(1, self.batches_per_epoch // t.gradient_accumulation)
-        self.total_steps = steps_per_epoch * t.epochs if t.max_steps is None else t.max_steps
+        self.total_steps = steps_per_epoch * self.epochs if self.max_steps is None else self.max_steps
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(params, lr=fs["lr"], weight_decay=t.weight_decay, betas=(0.9, 0.95))
         from transformers import get_cosine_schedule_with_warmup
 
         # accelerate steps the scheduler once per process per optimizer step; it expects totals x num_processes
@@ -265,6 +320,7 @@ class Trainer:
         totals: dict[str, float] = {}
         for indices in batches:
             batch = self.source.load_batch(indices)
+            batch["epoch"] = 0  # the holdout is judged on the same anchors every time
             with acc.autocast():
                 _, stats = self.family.objective(self.model, batch, self.head_weight, self.settings, self.unwrapped())
             _add(totals, stats)
@@ -288,12 +344,13 @@ class Trainer:
         started, window_start = time.perf_counter(), time.perf_counter()
         done = self.step >= self.total_steps
         # max_steps, when set, decides the length (epochs repeat as needed); otherwise `epochs` does
-        while not done and (t.max_steps is not None or self.epoch < t.epochs):
+        while not done and (self.max_steps is not None or self.epoch < self.epochs):
             batches = plan_epoch(self.source, cfg, self.epoch, acc.process_index, acc.num_processes)
             usable = len(batches) // t.gradient_accumulation * t.gradient_accumulation
             while self.batch_in_epoch < usable:
                 indices = batches[self.batch_in_epoch]
                 batch = self.source.load_batch(indices)
+                batch["epoch"] = self.epoch  # families that sample per batch (DSpark anchors) re-draw per epoch
                 with acc.accumulate(self.model):
                     with acc.autocast():
                         loss, stats = self.family.objective(self.model, batch, self.head_weight, self.settings, self.unwrapped())
@@ -372,15 +429,54 @@ class Trainer:
                 atomic_write_text(self.out / "best" / "metrics.json", json.dumps({"step": self.step, **s}, indent=2))
             acc.wait_for_everyone()
 
+    @torch.no_grad()
+    def calibrate(self, directory: Path) -> None:
+        """Fit the confidence temperatures of the drafter in `directory` on the whole holdout split (main
+        process; the saved drafter is complete there under every ZeRO stage) and write them into its config."""
+        from drafters.calibration import fit_sequential_temperatures, survival_ece
+        from drafters.objectives import dspark_calibration_data
+        from drafters.registry import load_drafter
+
+        model = load_drafter(directory).to(self.device).eval()
+        head = self.head_weight.float()
+        parts = []
+        for indices in plan_epoch(self.source, self.cfg, 0, 0, 1, split="holdout"):
+            batch = self.source.load_batch(indices)
+            parts.append(dspark_calibration_data(model, batch, head, self.settings))
+        if not parts or sum(p[0].shape[0] for p in parts) == 0:
+            log.warning("train: no holdout blocks to calibrate %s on; confidences left uncalibrated", directory)
+            return
+        conf, alpha, valid = (torch.cat([p[i] for p in parts]).cpu() for i in range(3))
+        bins = self.cfg.train.dspark.calibration_bins
+        before = survival_ece(conf, alpha, valid, [1.0] * conf.shape[1], bins)
+        temps = fit_sequential_temperatures(conf, alpha, valid, bins)
+        after = survival_ece(conf, alpha, valid, temps, bins)
+        model.config.confidence_temperatures = temps
+        cfg_path = directory / "config.json"
+        raw = json.loads(cfg_path.read_text())
+        raw["confidence_temperatures"] = temps
+        atomic_write_text(cfg_path, json.dumps(raw, indent=2))
+        report = {"blocks": int(conf.shape[0]), "temperatures": temps, "survival_ece_before": before,
+                  "survival_ece_after": after, "bins": bins, "temperature": self.cfg.train.temperature}
+        atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2))
+        console.print(f"calibrated {directory.name}/: survival ECE by position {['%.3f' % e for e in before]} -> "
+                      f"{['%.3f' % e for e in after]} ({conf.shape[0]} holdout blocks)", highlight=False)
+
     def _finish(self, seconds: float) -> Path:
         acc = self.accelerator
         self.save_drafter(self.out / "final")
+        if acc.is_main_process and self.family.name == "dspark" and self.cfg.train.dspark.calibrate:
+            for d in (self.out / "best", self.out / "final"):
+                if (d / "config.json").is_file():
+                    self.calibrate(d)
+        acc.wait_for_everyone()
         if acc.is_main_process:
             write_manifest(
                 self.out, "drafter", target=self.identity, drafter=self.family.name, aux_layer_ids=self.aux_ids,
                 draft_vocab_size=self.draft_vocab_size, steps=self.step, epochs_started=self.epoch + 1,
                 best_holdout_tau=self.best if self.best > -math.inf else None,
                 config={"train": self.cfg.train.model_dump(mode="json")}, history=self.history,
+                calibration=_read_json(self.out / "best" / "calibration.json") or _read_json(self.out / "final" / "calibration.json"),
                 world_size=acc.num_processes, seconds=round(seconds, 1),
             )
             log.info("train: %d steps; final drafter in %s (best holdout τ_sim %.3f in %s)", self.step,
@@ -389,15 +485,19 @@ class Trainer:
         return self.out
 
 
-def trained_drafter(cfg: RunConfig, identity: dict[str, Any], explicit: str | None = None) -> Path:
-    """The drafter directory later stages use (an explicit one, else RUN_DIR/train/best, else final), refused
-    when its training manifest says it was trained for another target."""
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def trained_drafter(cfg: RunConfig, identity: dict[str, Any], explicit: str | None = None, family: str | None = None) -> Path:
+    """The drafter directory later stages use (an explicit one, else RUN_DIR/train/<family>/best, else final),
+    refused when its training manifest says it was trained for another target."""
     from data.artifacts import ArtifactError, check_same_target, read_manifest
 
     if explicit:
         path = Path(explicit)
     else:
-        train = cfg.run_path / "train"
+        train = train_dir(cfg, family or cfg.train.drafters[0])
         path = train / "best" if (train / "best" / "config.json").is_file() else train / "final"
     if not (path / "config.json").is_file():
         raise StageError(f"no trained drafter at {path}; run `draftsmith train` or pass --drafter DIR")
@@ -409,13 +509,28 @@ def trained_drafter(cfg: RunConfig, identity: dict[str, Any], explicit: str | No
     return path
 
 
-def run_train(cfg: RunConfig, resume: bool = False) -> Path:
-    out = cfg.run_path / "train"
-    if (out / "manifest.json").is_file() and not resume:
-        raise StageError(f"{out} already holds a finished training run; use another run_dir, delete it, or pass --resume")
-    if not resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*")):
-        raise StageError(f"{out} holds checkpoints of an unfinished run; pass --resume to continue it")
-    trainer = Trainer(cfg)
-    if resume and not trainer.resume():
-        log.info("train: no checkpoint to resume from in %s; starting fresh", out)
-    return trainer.train()
+def run_train(cfg: RunConfig, resume: bool = False, families: list[str] | None = None) -> Path:
+    """Train every family of train.drafters (or `families`) in turn. With `resume`, a finished family is
+    skipped and an unfinished one continues from its latest checkpoint."""
+    families = families or list(cfg.train.drafters)
+    for family in families:
+        out = train_dir(cfg, family)
+        if (out / "manifest.json").is_file():
+            if resume:
+                log.info("train: %s is finished, skipped", out)
+                continue
+            raise StageError(f"{out} already holds a finished training run; use another run_dir, delete it, or pass --resume")
+        if not resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*")):
+            raise StageError(f"{out} holds checkpoints of an unfinished run; pass --resume to continue it")
+    for family in families:
+        out = train_dir(cfg, family)
+        if (out / "manifest.json").is_file():
+            continue
+        if len(families) > 1:
+            console.rule(f"train: {family}")
+        trainer = Trainer(cfg, family)
+        if resume and not trainer.resume():
+            log.info("train: no checkpoint to resume from in %s; starting fresh", out)
+        trainer.train()
+        del trainer
+    return cfg.run_path / "train"

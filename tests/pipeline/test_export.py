@@ -210,3 +210,78 @@ def test_speculators_reference_class_loads_the_export(target4, tmp_path):
     for i in range(3):
         valid = T - 1 - i
         torch.testing.assert_close(logits[i][0, :valid], ours[i][0][0, :valid], atol=1e-4, rtol=1e-4)
+
+
+def _dspark(target_dir, tmp_path, aux=(1, 2, 3, 4), D=200):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from drafters.dspark import DSparkDrafter
+
+    tcfg = AutoConfig.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    d2t, t2d = select_draft_vocab(torch.randint(0, 100, (tcfg.vocab_size,), generator=torch.Generator().manual_seed(0)), D)
+    torch.manual_seed(0)
+    model = DSparkDrafter.from_target(tcfg, list(aux), D, target.get_input_embeddings().weight.detach(), d2t, t2d,
+                                      head_weight=target.get_output_embeddings().weight.detach(), block_size=4,
+                                      num_layers=2, markov_rank=16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+        model.markov_head.markov_w1.weight.normal_(0, 1.0)
+    path = tmp_path / "dspark"
+    model.save_pretrained(path)
+    return model, path
+
+
+def test_dspark_export_is_the_speculators_dspark_layout_and_computes_the_same_block(target4, tmp_path):
+    """speculators' DSparkDraftModel built from our config.json takes every exported tensor, and its modules
+    compute our block: backbone over [anchor, MASK...] with context K/V from the fused features, Markov bias of
+    the previous token, confidence from [hidden ; W1[prev]]."""
+    pytest.importorskip("speculators", reason="installed by `make` from requirements-external.txt")
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+    model, path = _dspark(target4, tmp_path)
+    out = _export(target4, tmp_path, path, "export.dtype=float32", "train.drafters=[dspark]")
+    assert not (out / "eagle3").exists() and (out / "dspark" / "config.json").is_file()
+    raw = json.loads((out / "dspark" / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dspark" and raw["sample_from_anchor"] is True
+    assert raw["aux_hidden_state_layer_ids"] == [1, 2, 3, 4] and raw["block_size"] == 4
+    cfg = DSparkSpeculatorConfig.from_pretrained(str(out / "dspark"))
+    cfg.transformer_layer_config._attn_implementation = "eager"  # flex attention is GPU-only
+    theirs = DSparkDraftModel(cfg).eval()
+    weights = load_file(str(out / "dspark" / "model.safetensors"))
+    assert "markov_head.markov_w1.weight" in weights and "confidence_head.proj.weight" in weights
+    missing, unexpected = theirs.load_state_dict(weights, strict=False)
+    assert unexpected == []
+    # not exported: the embedding and the verifier's norm/head, which speculators loads from the target itself
+    assert sorted(missing) == ["embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"]
+    theirs.embed_tokens.weight.data.copy_(model.embed_tokens.weight)
+
+    g = torch.Generator().manual_seed(0)
+    P = 9  # anchor position: the context is positions 0..8
+    aux = torch.randn(1, P, 4 * 64, generator=g)
+    anchor = torch.tensor([17])
+    prev = torch.tensor([[17, 40, 41, 42]])  # previous tokens of the 4 slots (the anchor, then drafted tokens)
+    with torch.no_grad():
+        cache = model.eval().new_cache()
+        model.extend_context(cache, aux, torch.arange(P)[None])
+        h, base = model.draft_block(cache, anchor, torch.tensor([P]))
+        ours_logits, ours_conf = model.heads(h, prev, base)
+
+        # the same block through their modules, wired as their _backbone_forward wires them
+        ctx = theirs.hidden_norm(theirs.fc(aux))
+        block = torch.full((1, 4), cfg.mask_token_id)
+        block[0, 0] = anchor
+        x = theirs.embed_tokens(block)
+        positions = torch.cat([torch.arange(P), P + torch.arange(4)])[None]
+        rope = theirs.rotary_emb(x, positions)
+        for layer in theirs.layers:
+            x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_embeddings=rope)
+        hidden = theirs.norm(x)
+        logits = theirs.lm_head(hidden)
+        prev_emb = theirs.markov_head.prev_embeddings(prev)
+        logits = logits + theirs.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=prev_emb)
+        conf = theirs.confidence_head(torch.cat([hidden, prev_emb], -1))
+    torch.testing.assert_close(ours_logits, logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours_conf, conf, atol=1e-4, rtol=1e-4)

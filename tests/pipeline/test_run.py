@@ -22,23 +22,29 @@ generate: {{synthesize: 8, max_new_tokens: 48, batch_size: 16, chunk_size: 8,
             synth: {{round_size: 32, max_new_tokens: 12, min_chars: 3}}}}
 data: {{sources: [{{path: {prompts}, domain_field: topic}}], holdout_fraction: 0.2}}
 collect: {{aux_layer_ids: [1, 2, 3], dtype: float32}}
-train: {{ttt_steps: 3, draft_vocab_size: 384, batch_tokens: 512, lr: 0.005, epochs: 40, eval_every: 50, log_every: 25}}
-eval: {{sources: [{{path: {prompts}, domain_field: topic}}], temperatures: [0.0], max_new_tokens: 32, draft_length: 3, batch_size: 4}}
+train: {{drafters: [eagle3, dspark], ttt_steps: 3, draft_vocab_size: 384, batch_tokens: 512, lr: 0.005, epochs: 40, eval_every: 50,
+        log_every: 25, dspark: {{block_size: 4, num_layers: 1, markov_rank: 16, anchors_per_sequence: 16}}}}
+eval: {{sources: [{{path: {prompts}, domain_field: topic}}], temperatures: [0.0], max_new_tokens: 32, draft_length: 3, batch_size: 1}}
 export: {{dtype: float32}}
 """)
     run = tmp_path / "run"
     started = time.perf_counter()
     assert main(["run", str(recipe), f"run_dir={run}"]) == 0
     first = time.perf_counter() - started
-    for artifact, kind in [("prepared", "prepared"), ("generated", "generated"), ("features", "features"), ("train", "drafter"), ("eval", "eval"),
-                           ("export", "export")]:
+    for artifact, kind in [("prepared", "prepared"), ("generated", "generated"), ("features", "features"), ("train/eagle3", "drafter"),
+                           ("train/dspark", "drafter"), ("eval", "eval"), ("export", "export")]:
         assert json.loads((run / artifact / "manifest.json").read_text())["kind"] == kind, artifact
-    assert (run / "train" / "final" / "model.safetensors").is_file()
-    assert (run / "export" / "eagle3" / "config.json").is_file() and (run / "export" / "speculators" / "config.json").is_file()
+    for family in ("eagle3", "dspark"):
+        assert (run / "train" / family / "final" / "model.safetensors").is_file()
+    calibration = json.loads((run / "train" / "dspark" / "final" / "calibration.json").read_text())
+    assert len(calibration["temperatures"]) == 4
+    for fmt in ("eagle3", "speculators", "dspark"):
+        assert (run / "export" / fmt / "config.json").is_file(), fmt
     ev = json.loads((run / "eval" / "eval.json").read_text())
     overall = ev["runs"][0]["overall"]
     assert overall["none"]["tau"] == 1.0
     assert overall["eagle3"]["tau"] > 1.0, overall["eagle3"]
+    assert overall["dspark"]["tau"] > 1.0, overall["dspark"]
     assert set(ev["runs"][0]["domains"]) == {"math", "chat"}
     assert "τ" in (run / "export" / "README.md").read_text()  # the measured τ travels with the export
     # everything is complete: the second run skips or returns at once

@@ -55,7 +55,7 @@ def _cfg(workspace, tmp_path, *overrides):
 
 
 def _losses(run_dir):
-    m = json.loads((Path(run_dir) / "train" / "manifest.json").read_text())
+    m = json.loads((Path(run_dir) / "train" / "eagle3" / "manifest.json").read_text())
     return [(h["step"], h["train/loss"]) for h in m["history"] if "train/loss" in h]
 
 
@@ -68,7 +68,7 @@ def test_overfits_a_small_set(workspace, tmp_path):
                              "train.epochs=300", "train.log_every=50", "train.temperature=0"])
     run_prepare(cfg)
     run_collect(cfg)
-    out = train_stage.run_train(cfg)
+    out = train_stage.run_train(cfg) / "eagle3"
     m = json.loads((out / "manifest.json").read_text())
     logs = [h for h in m["history"] if "train/loss" in h]
     assert len(logs) >= 10
@@ -102,8 +102,8 @@ def test_resume_is_exact(workspace, tmp_path, monkeypatch):
         train_stage.run_train(cfg)
     train_stage.run_train(cfg, resume=True)
     assert _losses(cfg.run_path) == reference  # identical floats: the same steps, batches and state
-    a = load_file(str(ref.run_path / "train" / "final" / "model.safetensors"))
-    b = load_file(str(cfg.run_path / "train" / "final" / "model.safetensors"))
+    a = load_file(str(ref.run_path / "train" / "eagle3" / "final" / "model.safetensors"))
+    b = load_file(str(cfg.run_path / "train" / "eagle3" / "final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -120,7 +120,7 @@ def test_two_ranks_ddp_and_deepspeed_zero2_match_one_process(workspace, tmp_path
     common = ["train.max_steps=4", "train.lr=2e-3"]
     single = _cfg(workspace, tmp_path / "single", *common, "train.gradient_accumulation=2")
     train_stage.run_train(single)
-    ref = load_file(str(single.run_path / "train" / "final" / "model.safetensors"))
+    ref = load_file(str(single.run_path / "train" / "eagle3" / "final" / "model.safetensors"))
     ref_losses = [l for _, l in _losses(single.run_path)]
 
     for name, extra_env, extra in [
@@ -158,7 +158,7 @@ def test_wandb_offline_logging(workspace, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = _cfg(workspace, tmp_path, "train.max_steps=2", "train.report_to=wandb")
-    out = train_stage.run_train(cfg)
+    out = train_stage.run_train(cfg) / "eagle3"
     runs = list((out / "wandb").glob("offline-run-*"))
     assert runs and any(runs[0].rglob("*.wandb"))
 

@@ -1,0 +1,191 @@
+"""DSpark-style block drafter: packed multi-anchor training computes exactly what one-anchor drafting computes
+at inference; the sequential bias changes sampling as specified; the confidence target is the exact
+acceptance probability; sequential temperature scaling lowers held-out ECE on a miscalibrated case."""
+
+import pytest
+import torch
+
+from drafters.calibration import fit_sequential_temperatures, survival_ece
+from drafters.dspark import DSparkConfig, DSparkDrafter
+from drafters.losses import teacher_from_final
+from drafters.objectives import DSparkObjectiveSettings, dspark_objective, sample_anchors
+from drafters.vocab import draft_to_target_ids, select_draft_vocab
+
+V, D, H, HT = 97, 41, 32, 24
+
+
+def _drafter(num_layers=2, markov_rank=16, dtype=torch.float64, seed=0, block_size=4):
+    torch.manual_seed(seed)
+    cfg = DSparkConfig(vocab_size=V, draft_vocab_size=D, hidden_size=H, target_hidden_size=HT, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, intermediate_size=64, aux_layer_ids=[1, 2, 3], mask_token_id=V - 1,
+                       block_size=block_size, num_layers=num_layers, markov_rank=markov_rank)
+    model = DSparkDrafter(cfg).to(dtype).eval()
+    d2t, t2d = select_draft_vocab(torch.rand(V), D)
+    with torch.no_grad():
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+        for name, p in model.named_parameters():
+            if "norm" in name:  # non-trivial norms so a wrong normalization path cannot hide
+                p.uniform_(0.5, 1.5)
+        if model.markov_head is not None:
+            model.markov_head.markov_w1.weight.normal_(0, 1.0)  # a bias large enough to matter
+    return model
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(num_layers=1, markov_rank=0), dict(block_size=1)])
+def test_packed_multi_anchor_forward_equals_one_anchor_inference(variant):
+    model = _drafter(**variant)
+    G = model.config.block_size
+    B, T = 2, 15
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(B, T, 3 * HT, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (B, T), generator=g)
+    attention = torch.ones(B, T, dtype=torch.bool)
+    attention[1, 11:] = False  # a shorter second sequence (right padding)
+    anchors = torch.tensor([[0, 3, 7, 9], [2, 5, 6, 10]])
+    with torch.no_grad():
+        logits, conf, prev = model(aux, ids, attention, anchors)
+    for b in range(B):
+        for a, p in enumerate(anchors[b].tolist()):
+            cache = model.new_cache()
+            if p > 0:
+                model.extend_context(cache, aux[b:b + 1, :p], torch.arange(p).unsqueeze(0))
+            h, base = model.draft_block(cache, ids[b:b + 1, p], torch.tensor([p]))
+            for k in range(G):
+                x_prev = ids[b, min(p + k, T - 1)]  # teacher-forced previous token (the anchor for k = 0)
+                lk, ck = model.heads(h[:, k], x_prev.view(1), base[:, k])
+                torch.testing.assert_close(lk[0], logits[b, a, k], rtol=0, atol=1e-10)
+                torch.testing.assert_close(ck[0], conf[b, a, k], rtol=0, atol=1e-10)
+                assert prev[b, a, k] == x_prev
+
+
+def test_packed_forward_would_differ_if_blocks_saw_each_other():
+    """Guard: with the packed mask opened across blocks the logits change, so the equality above is not vacuous."""
+    model = _drafter()
+    aux = torch.randn(1, 12, 3 * HT, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (1, 12))
+    att = torch.ones(1, 12, dtype=torch.bool)
+    anchors = torch.tensor([[2, 6]])
+    with torch.no_grad():
+        together = model(aux, ids, att, anchors)[0][0, 1]
+        alone = model(aux, ids, att, anchors[:, 1:])[0][0, 0]
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-10)
+    with torch.no_grad():  # a context that includes the anchor's own position is a different computation
+        shifted = model(aux, ids, att, anchors[:, 1:] + 1)[0][0, 0]
+    assert (shifted - alone).abs().max() > 1e-3
+
+
+def test_sequential_bias_is_W1_of_previous_token_times_W2_and_moves_sampling():
+    model = _drafter()
+    h = torch.randn(1, H, dtype=torch.float64)
+    base = model.lm_head(h)
+    a, b = torch.tensor([5]), torch.tensor([17])
+    la, _ = model.heads(h, a, base)
+    lb, _ = model.heads(h, b, base)
+    w1, w2 = model.markov_head.markov_w1.weight, model.markov_head.markov_w2.weight
+    torch.testing.assert_close(la - base, (w1[5] @ w2.T)[None], rtol=0, atol=1e-12)
+    torch.testing.assert_close(lb - base, (w1[17] @ w2.T)[None], rtol=0, atol=1e-12)
+    # the distribution sampled from depends on the previous token: a chi-square-free check on exact probabilities
+    pa, pb = torch.softmax(la, -1), torch.softmax(lb, -1)
+    assert 0.5 * (pa - pb).abs().sum() > 0.05
+    # and sampling follows the biased distribution (frequency check over many draws)
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(pa[0].float(), 20000, replacement=True, generator=gen)
+    freq = torch.bincount(draws, minlength=D).double() / 20000
+    assert (freq - pa[0]).abs().max() < 0.02
+
+
+def test_training_time_test_mode_conditions_on_the_drafters_own_samples():
+    model = _drafter()
+    aux = torch.randn(1, 12, 3 * HT, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (1, 12))
+    att = torch.ones(1, 12, dtype=torch.bool)
+    anchors = torch.tensor([[3]])
+    with torch.no_grad():
+        logits, _, prev = model(aux, ids, att, anchors, sample_temperature=0.0)
+    draft_ids = draft_to_target_ids(model.d2t)
+    assert prev[0, 0, 0] == ids[0, 3]
+    for k in range(1, model.config.block_size):  # greedy: slot k conditions on slot k-1's argmax
+        assert prev[0, 0, k] == draft_ids[logits[0, 0, k - 1].argmax()]
+
+
+def test_confidence_target_is_the_exact_acceptance_probability():
+    """The BCE target at T>0 equals Σ_x min(p(x), q(x)) over the FULL target vocabulary = 1 - TV(p, q)."""
+    torch.manual_seed(0)
+    model = _drafter()
+    draft_ids = draft_to_target_ids(model.d2t)
+    head = torch.randn(V, H, dtype=torch.float64)
+    final = torch.randn(1, 3, H, dtype=torch.float64)
+    logits = torch.randn(1, 3, D, dtype=torch.float64)
+    T = 0.7
+    teacher = teacher_from_final(final, head, draft_ids, T)
+    from drafters.losses import acceptance
+
+    alpha = acceptance(logits, teacher, draft_ids, T)
+    p = torch.softmax((final @ head.T) / T, -1)  # full vocabulary
+    q = torch.zeros_like(p)
+    q[..., draft_ids] = torch.softmax(logits / T, -1)
+    torch.testing.assert_close(alpha.double(), 1 - 0.5 * (p - q).abs().sum(-1), rtol=0, atol=1e-6)
+
+
+def _batch(B=2, T=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(B, T, dtype=torch.uint8)
+    mask[:, 6:] = 1
+    return {"input_ids": torch.randint(0, V - 1, (B, T), generator=g), "loss_mask": mask,
+            "attention_mask": torch.ones(B, T, dtype=torch.bool), "aux": torch.randn(B, T, 3 * HT, generator=g),
+            "final": torch.randn(B, T, H, generator=g), "ids": [f"s{i}" for i in range(B)]}
+
+
+def test_anchors_are_supervised_positions_redrawn_per_epoch_and_reproducible():
+    batch = _batch()
+    att = batch["attention_mask"]
+    a0, v0 = sample_anchors(batch["loss_mask"], att, batch["ids"], 5, seed=0, epoch=0)
+    again, _ = sample_anchors(batch["loss_mask"], att, batch["ids"], 5, seed=0, epoch=0)
+    a1, _ = sample_anchors(batch["loss_mask"], att, batch["ids"], 5, seed=0, epoch=1)
+    assert torch.equal(a0, again) and not torch.equal(a0, a1)
+    assert v0.all() and (a0 >= 5).all() and (a0 <= 18).all()  # next token (p+1) supervised and inside the sequence
+    few, valid = sample_anchors(batch["loss_mask"], att, batch["ids"], 100, seed=0, epoch=0)
+    assert valid.sum(1).tolist() == [14, 14]  # every candidate once, no duplicates
+    assert all(len(set(r[v].tolist())) == 14 for r, v in zip(few, valid))
+
+
+def test_objective_trains_and_reports_per_slot_statistics():
+    model = _drafter(dtype=torch.float32).train()
+    head = torch.randn(V, H)
+    s = DSparkObjectiveSettings(block_size=4, anchors_per_sequence=6, temperature=1.0)
+    batch = _batch()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    first = None
+    for _ in range(60):
+        loss, stats = dspark_objective(model, batch, head, s)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = first if first is not None else loss.item()
+    assert loss.item() < 0.7 * first
+    anchors, _ = sample_anchors(batch["loss_mask"], batch["attention_mask"], batch["ids"], 6, 0, 0)
+    for k in range(4):  # slot k of anchor p counts while the token it predicts (p+k+1) is inside the sequence
+        assert stats[f"n_{k}"] == int((anchors + k + 1 <= 19).sum())
+    assert stats["tau_n"] == 12
+    assert 1.0 <= stats["tau"] / stats["tau_n"] <= 5.0
+
+
+def test_sequential_temperature_scaling_lowers_heldout_ece():
+    """Confidences that are systematically over-confident (logits 3x too large) get temperatures > 1 and a lower
+    survival ECE on fresh data from the same process."""
+    def make(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        true_logit = torch.randn(n, 5, generator=g, dtype=torch.float64) + 1.0
+        alpha = torch.bernoulli(torch.sigmoid(true_logit), generator=g)
+        valid = torch.ones(n, 5, dtype=torch.bool)
+        return 3.0 * true_logit, alpha, valid
+
+    conf, alpha, valid = make(4000, 0)
+    temps = fit_sequential_temperatures(conf, alpha, valid)
+    assert all(t > 1.5 for t in temps[:2]), temps
+    c2, a2, v2 = make(4000, 1)
+    before = survival_ece(c2, a2, v2, [1.0] * 5)
+    after = survival_ece(c2, a2, v2, temps)
+    assert all(x < 0.5 * y for x, y in zip(after, before)), (before, after)
+    assert max(after) < 0.03

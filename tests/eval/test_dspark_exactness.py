@@ -1,0 +1,101 @@
+"""The exact verifier with the DSpark-style block drafter: the emitted distribution is the target's (chi-square
+on an exactly solvable bigram target, with and without adaptive length), and greedy decoding commits exactly
+the target's greedy tokens on a real HF model."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from drafters.dspark import DSparkConfig, DSparkDrafter
+from drafters.vocab import select_draft_vocab
+from eval.engine import decode
+from eval.proposers import DSparkProposer
+from eval.runner import HFTarget
+from eval.sampling import SamplingParams
+from tests.eval.test_exactness import P, BigramTarget, chi_square_pvalue, plain_greedy, tiny64  # noqa: F401
+
+
+class FeatureBigramTarget(BigramTarget):
+    """The bigram target, also returning a fixed feature vector per token (what a drafter conditions on)."""
+
+    def __init__(self, table, width, seed=0):
+        super().__init__(table)
+        self.feats = torch.randn(table.shape[0], width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+    def step(self, tokens):
+        logp, _ = super().step(tokens)
+        return logp, self.feats[list(tokens)]
+
+
+def _tiny_dspark(vocab=3, draft_vocab=3, hidden=16, aux=(1, 2, 3), target_hidden=8, block=3, seed=0):
+    torch.manual_seed(seed)
+    cfg = DSparkConfig(vocab_size=vocab, draft_vocab_size=draft_vocab, hidden_size=hidden, target_hidden_size=target_hidden,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
+                       aux_layer_ids=list(aux), mask_token_id=vocab - 1, block_size=block, num_layers=2, markov_rank=4)
+    model = DSparkDrafter(cfg).double().eval()
+    d2t, t2d = select_draft_vocab(torch.arange(vocab).flip(0).float(), draft_vocab)
+    with torch.no_grad():
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+        model.lm_head.weight.normal_(0, 2.0)  # a draft that disagrees with the target often, but not always
+        model.markov_head.markov_w1.weight.normal_(0, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("threshold", [None, 0.45])
+def test_sampling_with_dspark_blocks_emits_the_targets_distribution(threshold):
+    drafter = _tiny_dspark()
+    gen = torch.Generator().manual_seed(0)
+    target = FeatureBigramTarget(P, 3 * 8)
+    proposer = DSparkProposer(drafter, confidence_threshold=threshold)
+    counts, accepted, drafted = Counter(), 0, 0
+    n = 6000
+    for _ in range(n):
+        r = decode(target, proposer, [0], SamplingParams(temperature=1.0), 3, 2, generator=gen)
+        counts[tuple(r.tokens[:2])] += 1
+        drafted += sum(d for d, _ in r.rounds)
+        accepted += sum(a for _, a in r.rounds)
+    exact = {(a, b): float(P[0, a] * P[a, b]) for a in range(3) for b in range(3)}
+    assert chi_square_pvalue(counts, exact) > 1e-3, counts
+    assert 0.1 * drafted < accepted < 0.9 * drafted  # both the accept and the reject branch were exercised
+
+
+def test_adaptive_length_uses_only_earlier_positions():
+    """With a threshold, fewer positions are drafted, and the first one always is."""
+    drafter = _tiny_dspark()
+    target = FeatureBigramTarget(P, 3 * 8)
+    gen = torch.Generator().manual_seed(1)
+    full = decode(target, DSparkProposer(drafter), [0], SamplingParams(temperature=1.0), 3, 40, generator=gen)
+    short = decode(target, DSparkProposer(drafter, confidence_threshold=0.6), [0], SamplingParams(temperature=1.0), 3, 40,
+                   generator=gen)
+    assert all(d == 3 for d, _ in full.rounds[:-1])
+    assert all(d >= 1 for d, _ in short.rounds) and sum(d for d, _ in short.rounds) / len(short.rounds) < 3
+
+
+def _dspark_for(model, calibrated=False):
+    from drafters.dspark import DSparkDrafter
+
+    torch.manual_seed(1)
+    d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 200)
+    d = DSparkDrafter.from_target(model.config, [1, 2, 4], 200, model.get_input_embeddings().weight, d2t, t2d,
+                                  head_weight=model.get_output_embeddings().weight, block_size=4, num_layers=2,
+                                  markov_rank=8).double()
+    if calibrated:
+        d.config.confidence_temperatures = [0.5, 2.0, 1.0, 3.0]
+    return d
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dspark_adaptive"])
+def test_greedy_with_dspark_commits_exactly_the_targets_greedy_tokens(tiny64, kind):  # noqa: F811
+    g = torch.Generator().manual_seed(3)
+    drafter = _dspark_for(tiny64, calibrated=kind.endswith("adaptive"))
+    for trial in range(6):
+        prompt = torch.randint(5, 380, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+        n_new, gamma = [5, 17, 40][trial % 3], [1, 3, 4][trial % 3]
+        proposer = DSparkProposer(drafter, confidence_threshold=0.3 if kind.endswith("adaptive") else None)
+        target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids)
+        r = decode(target, proposer, prompt, SamplingParams(), gamma, n_new)
+        assert r.tokens == plain_greedy(tiny64, prompt, n_new), (kind, trial)
+        assert r.target_passes == len(r.rounds) + 1
+        assert all(len(c) == d for c, (d, _) in zip(r.confidences, r.rounds))
