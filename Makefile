@@ -26,10 +26,11 @@ install: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests
 
+# The main job: self-synthesized data -> on-policy answers -> features -> EAGLE-3 + DSpark drafters -> exact eval
+# (MT-Bench + HumanEval, T = 0 and 1) -> engine exports, into runs/demo (re-running resumes / skips what is done).
+DEMO_CONFIG ?= configs/demo.yaml
 demo: $(STAMP)
-	@echo "make demo: the end-to-end run (prepare -> ... -> export) is not implemented yet (issue 9)."
-	@echo "Available now: $(VENV)/bin/draftsmith prepare|generate configs/smollm2-eagle3.yaml"
-	@exit 2
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/draftsmith run $(DEMO_CONFIG)
 
 bench: $(STAMP)
 	$(PY) launch/bench_generate.py

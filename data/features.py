@@ -81,7 +81,9 @@ class AuxHooks:
         self._handles.clear()
 
     def concat(self) -> torch.Tensor:
-        return torch.cat([self.captured[i] for i in self.aux_ids], dim=-1)
+        # with model.device_map the layers live on different GPUs; gather onto the first captured one
+        first = self.captured[self.aux_ids[0]].device
+        return torch.cat([self.captured[i].to(first) for i in self.aux_ids], dim=-1)
 
 
 class FeatureCapture:

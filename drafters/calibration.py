@@ -11,6 +11,8 @@ library we use provides in this form.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -53,9 +55,11 @@ def fit_sequential_temperatures(conf_logits: torch.Tensor, alphas: torch.Tensor,
             break
         z = conf_logits[sel, k].double()
         best_t, best_e = 1.0, float("inf")
-        for t in grid.tolist():
+        # nearest to 1 first, and only a clearly lower ECE moves away from it: where the survival is already
+        # ~0 many temperatures tie, and an extreme one would turn a later positive logit into certainty
+        for t in sorted(grid.tolist(), key=lambda t: abs(math.log(t))):
             e = expected_calibration_error(prefix[sel] * torch.sigmoid(z / t), obs[sel, k], bins)
-            if e < best_e - 1e-12:
+            if e < best_e - 1e-4:
                 best_t, best_e = t, e
         temps.append(best_t)
         prefix = prefix * torch.sigmoid(conf_logits[:, k].double() / best_t)

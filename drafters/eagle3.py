@@ -300,8 +300,11 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def from_target(cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, embed_weight: torch.Tensor,
-                    d2t: torch.Tensor, t2d: torch.Tensor, num_layers: int = 1, **overrides) -> "Eagle3Drafter":
-        """A drafter shaped like the target's layers (overridable), with the target's embedding copied in."""
+                    d2t: torch.Tensor, t2d: torch.Tensor, num_layers: int = 1, head_weight: torch.Tensor | None = None,
+                    **overrides) -> "Eagle3Drafter":
+        """A drafter shaped like the target's layers (overridable), with the target's embedding copied in. With
+        `head_weight` (the target's LM head [V, H]), `lm_head` starts from its draft-vocab rows (and stays
+        trainable): with little data, a head learned from scratch is what limits acceptance."""
         head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
         rope = getattr(target_config, "rope_parameters", None) or {}
         fields = dict(
@@ -322,6 +325,9 @@ class Eagle3Drafter(nn.Module):
             model.embed_tokens.weight.copy_(embed_weight)
             model.d2t.copy_(d2t)
             model.t2d.copy_(t2d)
+            if head_weight is not None:
+                rows = (torch.arange(draft_vocab_size) + d2t).to(head_weight.device)
+                model.lm_head.weight.copy_(head_weight.detach()[rows].to(model.lm_head.weight.dtype))
         return model
 
     def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:

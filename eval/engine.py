@@ -26,6 +26,10 @@ class DecodeResult:
     """Per round, the drafter's confidence for each drafted position (empty when it has none)."""
     target_passes: int = 0
     seconds: float = 0.0
+    draft_seconds: float = 0.0
+    """Wall time spent drafting (propose), over all rounds."""
+    verify_seconds: float = 0.0
+    """Wall time of the verification passes (the target forward of each round)."""
 
     @property
     def tau(self) -> float:
@@ -86,9 +90,13 @@ def decode(target, proposer, prompt: Sequence[int], params: SamplingParams, gamm
             rows = torch.tensor([0] + [1 + i for i in path])
             proposer.commit_path([t.tokens[i] for i in path], new, feats[rows] if feats is not None else None)
             continue
+        t0 = time.perf_counter()
         drafts, q, confs = proposer.propose(history, gamma, params, generator)
+        t1 = time.perf_counter()
         context = target.length
         logits, feats = target.step([out[-1]] + list(drafts))
+        result.draft_seconds += t1 - t0
+        result.verify_seconds += time.perf_counter() - t1
         if params.greedy:
             n, new = greedy_verify(drafts, logits)
         else:

@@ -22,6 +22,13 @@ def acceptance_stats(results: Sequence[DecodeResult], gamma: int) -> dict[str, A
         "seconds": round(seconds, 4),
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
     }
+    draft = sum(res.draft_seconds for res in results)
+    verify = sum(res.verify_seconds for res in results)
+    if rounds and verify > 0:
+        # what one round's drafting costs, in units of one target verification pass
+        out["draft_ms_per_round"] = 1000 * draft / len(rounds)
+        out["verify_ms_per_pass"] = 1000 * verify / len(rounds)
+        out["draft_cost_vs_target_pass"] = draft / verify
     # position i (1-based) is reached when i-1 drafts were accepted and at least i were drafted
     per_pos, survival = [], []
     for i in range(1, gamma + 1):

@@ -13,6 +13,9 @@ def markdown_table(ev: dict[str, Any]) -> str:
         shape = (f"tree depth {st['tree_depth']} / top-k {st['tree_top_k']} / {st['tree_nodes']} nodes for the trained "
                  f"drafter, chain γ = {st['draft_length']} for prompt lookup" if st.get("tree_depth")
                  else f"chain γ = {st['draft_length']}")
+        lengths = {d: n for d, n in (st.get("draft_lengths") or {}).items() if n != st["draft_length"] and d != "none"}
+        if lengths:
+            shape += " (" + ", ".join(f"{d}: {n} per round" for d, n in lengths.items()) + ")"
         lines.append(f"### T = {run['temperature']}, {shape}, max_new_tokens = {st['max_new_tokens']}")
         drafters = [d for d in run["drafters"] if d != "none"]
         head = "| domain | prompts | plain tok/s | " + " | ".join(f"{d} τ | {d} speedup" for d in drafters) + " |"
@@ -23,6 +26,13 @@ def markdown_table(ev: dict[str, Any]) -> str:
             for d in drafters:
                 s = row[d]
                 cells += [f"{s['tau']:.2f}" if s["tau"] else "-", f"{s['speedup']:.2f}x" if s.get("speedup") else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+        if len(run["domains"]) > 1 and run.get("overall"):
+            plain = run["overall"]["none"]
+            cells = ["**all**", str(plain["prompts"]), f"{plain['tokens_per_s']:.1f}"]
+            for d in drafters:
+                s = run["overall"][d]
+                cells += [f"**{s['tau']:.2f}**" if s["tau"] else "-", f"**{s['speedup']:.2f}x**" if s.get("speedup") else "-"]
             lines.append("| " + " | ".join(cells) + " |")
         if run.get("greedy_divergence"):
             lines.append("")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -38,6 +38,30 @@ class ModelConfig(Section):
     """Jinja chat template (inline text or a path to a .jinja file) replacing the tokenizer's own."""
     attn_implementation: str | None = None
     """Attention kernel passed to transformers (`sdpa`, `eager`, `flash_attention_2`); None = library default."""
+    device_map: str | None = None
+    """Spread the target over every GPU this process sees (`auto`, `balanced`, `balanced_low_0`, `sequential`,
+    passed to `from_pretrained`): for a target larger than one GPU in a single-process stage (collect, eval,
+    generate with the HF backend). Refused under more than one process; see docs/scaling.md."""
+    tp_size: int | None = Field(None, ge=1)
+    """Tensor-parallel degree of the target (transformers' own TP plan, `tp_plan="auto"`) for a stage whose ranks
+    all run the same batches. transformers builds one TP mesh over the whole world, so this must equal the number
+    of processes. Not supported for online training yet (its ranks read different batches): use model.zero3."""
+    zero3: Literal["none", "gpu", "cpu"] = "none"
+    """DeepSpeed ZeRO-3 inference for the frozen target when the trainer loads it in-process
+    (`train.features=online`): every rank keeps 1/world of the weights (in GPU memory with `gpu`, in pinned CPU
+    memory with `cpu`) and gathers each layer for its forward, so ranks still read different batches. `none`:
+    each rank holds the whole target. Other stages always load the whole target per rank."""
+
+    @model_validator(mode="after")
+    def _one_sharding(self) -> "ModelConfig":
+        chosen = [name for name, on in (("model.device_map", self.device_map is not None),
+                                        ("model.tp_size", (self.tp_size or 1) > 1),
+                                        ("model.zero3", self.zero3 != "none")) if on]
+        if len(chosen) > 1:
+            raise ValueError(f"choose one way to shard the target, not {' and '.join(chosen)}")
+        if self.device_map is not None and self.device not in ("auto", "cuda"):
+            raise ValueError(f"model.device_map places the target itself; it cannot be combined with model.device={self.device!r}")
+        return self
 
 
 class SourceConfig(Section):
@@ -112,6 +136,8 @@ class SynthConfig(Section):
 class GenerateConfig(Section):
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """`hf` (transformers generate, CPU or GPU), `vllm` (GPU nodes), `auto`: vLLM when importable and CUDA is present."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs vLLM shards the target over (start one process; e.g. 8 for a 70B target on one 8-GPU node)."""
     temperature: float = Field(0.0, ge=0.0)
     """Sampling temperature for responses; 0 = greedy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -217,6 +243,9 @@ class TrainConfig(Section):
     """Draft vocabulary size (capped at the target vocabulary)."""
     num_layers: int = Field(1, ge=1)
     """Drafter decoder layers (SGLang serves only 1)."""
+    init_head_from_target: bool = True
+    """Start EAGLE-3's (trainable) `lm_head` from the target's LM head rows of the draft vocab instead of random
+    (DSpark always uses those rows, frozen)."""
     intermediate_size: int | None = None
     """Drafter MLP width; None = the target's. (The hidden size is always the target's: the embedding is shared.)"""
     num_attention_heads: int | None = None
@@ -245,6 +274,11 @@ class TrainConfig(Section):
     """Recompute each TTT step's layers in backward (less memory, ~30% more compute)."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """`auto`: bf16 on CUDA, fp32 on CPU."""
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value: Any) -> Any:
+        return "no" if value is False else value  # YAML reads a bare `no` as false
     deepspeed: str | None = None
     """Path to a DeepSpeed JSON (see launch/); also taken from `accelerate launch --use_deepspeed` configs."""
     log_every: int = Field(10, ge=1)
@@ -278,6 +312,8 @@ class EvalConfig(Section):
     """Prompt sets to evaluate on (first user turn of each record), with their domain labels."""
     max_prompts: int | None = Field(None, ge=1)
     """Use at most this many prompts per source."""
+    max_prompts_per_domain: int | None = Field(None, ge=1)
+    """Use at most this many prompts per domain (e.g. per MT-Bench category), the first ones in source order."""
     temperatures: list[float] = [0.0, 1.0]
     """Sampling temperatures to evaluate at (0 = greedy)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -309,6 +345,8 @@ class EvalConfig(Section):
     """Longest n-gram the prompt-lookup baseline matches."""
     seed: int = 0
     """Seed of the sampling generator."""
+    output: str = "eval"
+    """Subdirectory of RUN_DIR for eval.json / report.md / plots (another name keeps several evaluations side by side)."""
 
 
 class ExportConfig(Section):

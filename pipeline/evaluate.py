@@ -40,10 +40,15 @@ def eval_prompts(cfg: RunConfig, tok) -> list[dict[str, Any]]:
     prompts = []
     for src in cfg.eval.sources:
         counts: Counter = Counter()
+        per_domain: Counter = Counter()
         n = 0
         for conv in iter_conversations(src, counts):
             if cfg.eval.max_prompts is not None and n >= cfg.eval.max_prompts:
                 break
+            if cfg.eval.max_prompts_per_domain is not None:
+                if per_domain[conv["domain"]] >= cfg.eval.max_prompts_per_domain:
+                    continue
+                per_domain[conv["domain"]] += 1
             first_reply = next(i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant")
             prompts.append({"id": conv["id"], "domain": conv["domain"], "ids": prompt_ids(tok, conv["messages"][:first_reply])})
             n += 1
@@ -140,12 +145,12 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
             run["greedy_divergence"] = {n: {"prompts": diverged[n], "of": len(prompts)} for n in proposers if n != "none"}
         runs.append(run)
 
-    out = cfg.run_path / "eval"
+    out = cfg.run_path / e.output
     out.mkdir(parents=True, exist_ok=True)
     ev = {
         "target": target.identity,
         "drafters": drafter_info,
-        "settings": {**e.model_dump(mode="json"), "device": str(target.device), "dtype": str(model.dtype),
+        "settings": {**e.model_dump(mode="json"), "device": str(target.device), "dtype": str(model.dtype), "draft_lengths": gammas,
                      "prompts": len(prompts)},
         "runs": runs,
     }
@@ -157,6 +162,6 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
                                    f"{trained_list}; device {target.device}, "
                                    f"{model.dtype}; {len(prompts)} prompts.\n\n{table}\n"
                                    + "".join(f"\n![{w}]({w})\n" for w in written))
-    write_manifest(out, "eval", target=target.identity, drafter=drafter_info, files=["eval.json", "report.md", *written])
+    write_manifest(out, "eval", target=target.identity, drafters=drafter_info, files=["eval.json", "report.md", *written])
     console.print(table, highlight=False)
     return out

@@ -294,7 +294,7 @@ def _readme(formats: dict[str, Path], cfg: RunConfig, models: dict[str, Any], ta
         fm = json.loads(feats.read_text())
         lines += [f"Training data: {fm['counts']['samples']} conversations, {fm['counts']['tokens']} tokens "
                   f"({fm['counts']['supervised_tokens']} assistant tokens).", ""]
-    eval_json = cfg.run_path / "eval" / "eval.json"
+    eval_json = cfg.run_path / cfg.eval.output / "eval.json"
     if eval_json.is_file():
         ev = json.loads(eval_json.read_text())
         lines += ["## Measured acceptance length (draftsmith eval)", "", "| T | drafter | domain | τ | speedup |",

@@ -192,7 +192,8 @@ def make_generator(cfg: RunConfig, tok, state: PartialState) -> tuple[Generator,
         if state.num_processes > 1:
             raise StageError("generate.backend=vllm runs as one process (vLLM parallelizes itself); start it without accelerate/torchrun")
         dtype = "auto" if cfg.model.dtype == "auto" else cfg.model.dtype
-        return VLLMGenerator(spec.location, stops, dtype=dtype, revision=spec.revision, seed=cfg.generate.seed), None
+        return VLLMGenerator(spec.location, stops, dtype=dtype, revision=spec.revision, seed=cfg.generate.seed,
+                             tensor_parallel_size=cfg.generate.tensor_parallel_size), None
     model = load_model(cfg.model, spec, device)
     stops = stop_token_ids(tok, model)
     gen = HFGenerator(model, tok.pad_token_id, stops, cfg.generate.batch_size, progress=False)

@@ -27,7 +27,7 @@ def _prepared_matches(cfg: RunConfig) -> bool:
 
 
 def _eval_matches(cfg: RunConfig) -> bool:
-    path = cfg.run_path / "eval" / "eval.json"
+    path = cfg.run_path / cfg.eval.output / "eval.json"
     if not path.is_file():
         return False
     settings = json.loads(path.read_text()).get("settings", {})
@@ -113,7 +113,13 @@ def run_all(cfg: RunConfig) -> Path:
     total = time.perf_counter() - started
     console.rule("[bold]draftsmith run: done")
     console.print("stages: " + ", ".join(f"{s} {t}" for s, t in timings.items()) + f"; total {total:.0f}s", highlight=False)
-    report = cfg.run_path / "eval" / "report.md"
-    if report.is_file():
-        console.print(f"report: {report}", highlight=False)
+    eval_json = cfg.run_path / cfg.eval.output / "eval.json"
+    if eval_json.is_file():
+        from eval.report import markdown_table
+
+        console.rule("[bold]results: τ and speedup over plain decoding, per domain")
+        console.print(markdown_table(json.loads(eval_json.read_text())), highlight=False)
+        plots = sorted(p.name for p in (cfg.run_path / cfg.eval.output).glob("*.png"))
+        console.print(f"report: {cfg.run_path / cfg.eval.output / 'report.md'}" + (f"; plots: {', '.join(plots)}" if plots else ""),
+                      highlight=False)
     return cfg.run_path

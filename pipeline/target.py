@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any
 import torch
 
 from pipeline.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 BUNDLED_ALIASES = {
     # alias -> (distribution name, file suffix). Located through the installed distribution's file list:
@@ -215,10 +218,107 @@ def load_tokenizer(cfg: ModelConfig, spec: TargetSpec | None = None):
     return tok
 
 
-def load_model(cfg: ModelConfig, spec: TargetSpec | None = None, device: torch.device | None = None):
+def _process_layout() -> tuple[int, int]:
+    """(rank, world size) of this process: from torch.distributed once initialized, else torchrun's env."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def sharding_mode(cfg: ModelConfig, spec: TargetSpec, shard: bool) -> str:
+    """How to place the target: `none` (whole model on this rank's device), `device_map`, `tp` or `zero3`.
+
+    `shard` is the caller's promise that every rank runs the target in lockstep (same number of forwards; the
+    online trainer does, generate/collect do not), which ZeRO-3 and tensor parallelism need.
+    """
+    _, world = _process_layout()
+    tp = cfg.tp_size or 1
+    if cfg.device_map is not None:
+        if world > 1:
+            raise TargetError(
+                f"model.device_map={cfg.device_map!r} spreads the target over every GPU this process sees, and this run "
+                f"has {world} processes that would all do so; run this stage as one process, or shard with "
+                f"model.zero3 / model.tp_size for online training (docs/scaling.md)")
+        return "device_map"
+    if tp == 1 and cfg.zero3 == "none":
+        return "none"
+    which = f"model.tp_size={tp}" if tp > 1 else f"model.zero3={cfg.zero3}"
+    if not shard:
+        log.info("%s applies to online training only; this stage loads the whole target on each of its %d rank(s)", which, world)
+        return "none"
+    if spec.gguf_file:
+        raise TargetError(f"{which} needs an HF safetensors target; {spec.name!r} is GGUF (convert it with transformers first)")
+    if tp > 1:
+        if world != tp:
+            raise TargetError(
+                f"model.tp_size={tp} needs exactly {tp} processes: transformers builds one tensor-parallel mesh over the "
+                f"whole world, and this run has {world}. Use model.zero3 to shard the target across data-parallel ranks")
+        return "tp"
+    if world == 1:
+        log.info("%s with a single process: loading the whole target", which)
+        return "none"
+    return "zero3"
+
+
+def _tensor_parallel_kwargs(tp_size: int) -> dict[str, Any]:
+    """from_pretrained arguments for transformers' built-in TP plan over `tp_size` ranks (newer releases take a
+    DistributedConfig, older ones the bare tp_plan/tp_size arguments)."""
+    try:
+        from transformers.distributed import DistributedConfig
+
+        return {"distributed_config": DistributedConfig(tp_size=tp_size, tp_plan="auto")}
+    except (ImportError, TypeError):
+        return {"tp_plan": "auto", "tp_size": tp_size}
+
+
+def zero3_inference_config(dtype: torch.dtype, offload: bool, world: int) -> dict[str, Any]:
+    """A DeepSpeed config that only partitions weights (no optimizer: the target is frozen)."""
+    zero: dict[str, Any] = {"stage": 3}
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        # DeepSpeed insists on batch sizes even for inference; they size nothing here
+        "train_micro_batch_size_per_gpu": 1,
+        "train_batch_size": world,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _load_zero3(location: str, kwargs: dict[str, Any], ds_config: dict[str, Any]):
+    """Load with every weight partitioned at load time (a 70B target never sits whole on one rank), then wrap
+    it in a DeepSpeed engine whose hooks gather each layer's weights for its forward."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import deepspeed as hf_ds
+
+    previous = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)
+    marker = hf_ds.HfDeepSpeedConfig(ds_config)  # while alive, from_pretrained loads into ZeRO-3 partitions
+    try:
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    finally:
+        del marker
+        hf_ds._hf_deepspeed_config_weak_ref = previous  # leave accelerate's own DeepSpeed setting as it was
+    engine = deepspeed.initialize(model=model, config=ds_config)[0]
+    model = engine.module
+    # keep the engine alive with the model (its hooks do the gathering); object.__setattr__ avoids registering
+    # the engine as a submodule of the model it wraps
+    object.__setattr__(model, "_draftsmith_zero3_engine", engine)
+    return model
+
+
+def load_model(cfg: ModelConfig, spec: TargetSpec | None = None, device: torch.device | None = None, shard: bool = False):
+    """The frozen target in eval mode. `shard=True` (the online trainer) applies model.tp_size / model.zero3;
+    model.device_map applies to any single-process stage."""
     from transformers import AutoModelForCausalLM
 
     spec = spec or resolve_target(cfg)
+    mode = sharding_mode(cfg, spec, shard)
     device = device or pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -234,14 +334,32 @@ def load_model(cfg: ModelConfig, spec: TargetSpec | None = None, device: torch.d
             kwargs["quantization_config"] = GgufConfig(dequantize=True)
         except ImportError:  # older transformers always dequantize
             pass
+    if mode == "device_map":
+        kwargs["device_map"] = cfg.device_map
+    elif mode == "tp":
+        kwargs.update(_tensor_parallel_kwargs(cfg.tp_size or 1))
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec.location, **kwargs)
+        if mode == "zero3":
+            ds_config = zero3_inference_config(dtype, cfg.zero3 == "cpu", _process_layout()[1])
+            model = _load_zero3(spec.location, kwargs, ds_config)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(spec.location, **kwargs)
     except OSError as exc:
         raise TargetError(f"could not load target {spec.name!r}: {exc}") from exc
-    model.to(device)
+    if mode == "none":
+        model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def data_parallel_rank(cfg: ModelConfig, rank: int, world: int) -> tuple[int, int]:
+    """(rank, world) to split data by. Ranks of one tensor-parallel group must feed the target the same batch,
+    so with model.tp_size they count as one data-parallel rank; ZeRO-3 keeps every rank independent."""
+    tp = cfg.tp_size or 1
+    if tp <= 1:
+        return rank, world
+    return rank // tp, max(1, world // tp)
 
 
 @dataclass
@@ -257,10 +375,11 @@ class Target:
         return next(self.model.parameters()).device
 
 
-def load_target(cfg: ModelConfig, with_model: bool = True) -> Target:
+def load_target(cfg: ModelConfig, with_model: bool = True, shard: bool = False) -> Target:
+    """Tokenizer, model (unless `with_model=False`) and identity; `shard` as in `load_model`."""
     spec = resolve_target(cfg)
     tok = load_tokenizer(cfg, spec)
-    model = load_model(cfg, spec) if with_model else None
+    model = load_model(cfg, spec, shard=shard) if with_model else None
     return Target(model=model, tokenizer=tok, identity=spec.identity())
 
 
@@ -299,6 +418,18 @@ def load_head_weights(cfg: ModelConfig, model=None) -> tuple[Any, torch.Tensor, 
             return config, found["head"], found["embed"]
     if model is None:
         model = load_model(cfg, spec, torch.device("cpu"))
-    head = model.get_output_embeddings().weight.detach()
-    embed = model.get_input_embeddings().weight.detach()
+    head = _full_weight(model.get_output_embeddings().weight)
+    embed = _full_weight(model.get_input_embeddings().weight)
     return config, head.cpu(), embed.cpu()
+
+
+def _full_weight(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a possibly sharded parameter (a collective call under TP / ZeRO-3: every rank calls it)."""
+    if hasattr(param, "full_tensor"):  # a DTensor (tensor parallel)
+        return param.full_tensor().detach()
+    if hasattr(param, "ds_id"):  # a ZeRO-3 partition
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.detach().clone()
+    return param.detach()

@@ -55,7 +55,11 @@ def feature_source(cfg: RunConfig, identity: dict[str, Any], target_config) -> t
         aux = resolve_aux_ids(cfg.collect.aux_layer_ids, L) if cfg.collect.aux_layer_ids is not None else None
         store = FeatureStore(store_dir, target=identity, aux_ids=aux, hidden_size=target_config.hidden_size)
         return store, store.aux_ids, None
-    target = load_target(cfg.model)
+    if (cfg.model.tp_size or 1) > 1:
+        # a tensor-parallel group must see the same batches, but batches are planned per rank of the whole world
+        raise StageError("model.tp_size is not supported for online training yet; shard the target with model.zero3")
+    # shard=True: every rank runs the target once per batch in lockstep, so model.zero3 may shard it
+    target = load_target(cfg.model, shard=True)
     _, _, records = input_records(cfg, identity)
     source = OnlineFeatureSource(target.model, records, cfg.collect.aux_layer_ids)
     return source, source.aux_ids, target.model
@@ -135,10 +139,15 @@ def _accelerator(cfg: RunConfig, out: Path):
     mp = cfg.train.mixed_precision
     mp = ("bf16" if cuda else "no") if mp == "auto" else mp
     kwargs: dict[str, Any] = {}
-    if cfg.train.deepspeed:
-        path = Path(cfg.train.deepspeed)
+    ds_path = cfg.train.deepspeed
+    if not ds_path and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # `accelerate launch --config_file launch/accelerate_zero*.yaml`: take the DeepSpeed JSON it names, so
+        # the "auto" batch fields and clipping are resolved here like for train.deepspeed
+        ds_path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    if ds_path:
+        path = Path(ds_path)
         if not path.is_file():
-            raise StageError(f"train.deepspeed: {path} not found")
+            raise StageError(f"DeepSpeed config {path} not found (train.deepspeed or the accelerate config's deepspeed_config_file)")
         ds_config = json.loads(path.read_text())
         # batches are variable-length token buckets, not a DataLoader accelerate could size "auto" fields from
         if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
@@ -161,7 +170,7 @@ def _accelerator(cfg: RunConfig, out: Path):
             os.environ["WANDB_MODE"] = "offline"
         kwargs["log_with"] = "wandb"
     # DeepSpeed brings its own accelerator (DS_ACCELERATOR=cpu on CPU); cpu=True would make accelerate drop it
-    return Accelerator(cpu=not cuda and not cfg.train.deepspeed, mixed_precision=mp, gradient_accumulation_steps=cfg.train.gradient_accumulation,
+    return Accelerator(cpu=not cuda and not ds_path, mixed_precision=mp, gradient_accumulation_steps=cfg.train.gradient_accumulation,
                        project_dir=str(out), **kwargs)
 
 
@@ -227,7 +236,7 @@ class Trainer:
                 save_file({"d2t": d2t, "t2d": t2d}, str(self.out / "vocab.safetensors"))
         self.family = get_family(family)
         torch.manual_seed(cfg.seed)
-        extra = {"head_weight": head} if family == "dspark" else {}
+        extra = {"head_weight": head} if family == "dspark" or t.init_head_from_target else {}
         try:
             model = self.family.model_class.from_target(target_config, self.aux_ids, self.draft_vocab_size, embed, d2t, t2d,
                                                         **extra, **fs["shape"])
@@ -460,7 +469,7 @@ class Trainer:
                   "survival_ece_after": after, "bins": bins, "temperature": self.cfg.train.temperature}
         atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2))
         console.print(f"calibrated {directory.name}/: survival ECE by position {['%.3f' % e for e in before]} -> "
-                      f"{['%.3f' % e for e in after]} ({conf.shape[0]} holdout blocks)", highlight=False)
+                      f"{['%.3f' % e for e in after]} ({conf.shape[0]} holdout blocks)", highlight=False, markup=False)
 
     def _finish(self, seconds: float) -> Path:
         acc = self.accelerator

@@ -55,3 +55,13 @@ def test_eval_stage(tmp_path):
     ev = json.loads((out / "eval.json").read_text())
     assert ev["runs"][0]["greedy_divergence"]["eagle3"] == {"prompts": 0, "of": 3}
     assert "tree depth 3" in (out / "report.md").read_text()
+
+    # a per-domain prompt cap, and a second evaluation written beside the first (eval.output)
+    assert main(["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.batch_size=1",
+                 "eval.max_prompts_per_domain=1", "eval.output=eval-one-each", "eval.drafters=[none,trained]"]) == 0
+    one = json.loads((tmp_path / "run" / "eval-one-each" / "eval.json").read_text())
+    assert {d: row["none"]["prompts"] for d, row in one["runs"][0]["domains"].items()} == {"math": 1, "code": 1}
+    e3 = one["runs"][0]["overall"]["eagle3"]
+    assert e3["draft_ms_per_round"] > 0 and e3["verify_ms_per_pass"] > 0
+    assert abs(e3["draft_cost_vs_target_pass"] - e3["draft_ms_per_round"] / e3["verify_ms_per_pass"]) < 1e-9
+    assert json.loads((out / "eval.json").read_text()) == ev  # the first evaluation is untouched

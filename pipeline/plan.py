@@ -1,0 +1,574 @@
+"""`draftsmith plan CONFIG`: what a run will need, worked out before anything runs.
+
+From the recipe and the target's HF config alone (no weights, no network) it prints:
+
+- disk for offline features: bytes/token (what `collect` stores per token) x tokens;
+- GPU memory per training rank: drafter weights + gradients + AdamW state under the ZeRO stage, activations of
+  one micro-batch (the TTT unroll for EAGLE-3, the anchor blocks for DSpark), the teacher head, and the frozen
+  target when `train.features=online` (replicated, or sharded by model.zero3 / model.tp_size);
+- FLOPs per training token, and the GPU-hours per epoch they imply at an assumed MFU.
+
+Every figure is an estimate from closed-form counts (docs/scaling.md derives them); the parameter counts are
+exact for the drafters draftsmith builds. The formulas live in small functions so tests can check them against
+hand-computed numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RunConfig
+
+GIB = 2**30
+CONFIDENCE_HIDDEN = 256  # width of EAGLE-3's confidence MLP (drafters/eagle3.py)
+TEACHER_CHUNK = 2048  # positions per chunk of the full-vocabulary teacher head (drafters/losses.py)
+BUNDLED_TARGETS = Path(__file__).resolve().parents[1] / "configs" / "targets"
+
+
+class PlanError(ValueError):
+    """The plan cannot be made (e.g. the target's config cannot be found offline)."""
+
+
+# ------------------------------------------------------------------------------------------ the target
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """The numbers of the target's architecture the estimates need."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params: int
+    """Every parameter of the target (tied embeddings counted once)."""
+    body_params: int
+    """Parameters a feature forward uses: all but the input embedding and the lm_head."""
+
+
+def _count_params(config) -> tuple[int, int]:
+    """(total, without embedding and lm_head), from the model built on the meta device: exact for any
+    architecture transformers knows, and allocates nothing."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    ends = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    outer = sum(p.numel() for p in model.parameters() if id(p) in ends)
+    return total, total - outer
+
+
+def target_shape(config) -> TargetShape:
+    heads = config.num_attention_heads
+    total, body = _count_params(config)
+    return TargetShape(
+        hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate=config.intermediate_size, vocab=config.vocab_size, params=total, body_params=body,
+    )
+
+
+def _config_from_json(path: Path):
+    from transformers import AutoConfig
+
+    raw = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}  # `_source` notes
+    if "model_type" not in raw:
+        raise PlanError(f"{path}: an HF config.json needs a model_type")
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+def bundled_target_config(name: str) -> Path | None:
+    """configs/targets/<org>__<name>.json for a hub id, if shipped (so plans work without the network)."""
+    path = BUNDLED_TARGETS / (name.replace("/", "__") + ".json")
+    return path if path.is_file() else None
+
+
+def load_target_config(cfg: RunConfig, explicit: str | None = None):
+    """The target's HF config: an explicit config.json (or model directory), the local target, the HF cache, or
+    the copy bundled in configs/targets/ — never the network."""
+    if explicit:
+        path = Path(explicit)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise PlanError(f"--target-config: {path} not found")
+        return _config_from_json(path)
+    from pipeline.target import TargetError, load_config_of, resolve_target
+
+    spec = resolve_target(cfg.model)
+    if spec.kind != "hub":
+        return load_config_of(cfg.model, spec)
+    bundled = bundled_target_config(spec.name)
+    if bundled:
+        return _config_from_json(bundled)
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(spec.location, revision=spec.revision, local_files_only=True)
+    except (OSError, ValueError, TargetError) as exc:
+        raise PlanError(f"the config of {spec.name!r} is neither in the HF cache nor in {BUNDLED_TARGETS}; "
+                        f"pass --target-config PATH/config.json ({exc.__class__.__name__})") from None
+
+
+# --------------------------------------------------------------------------------------- the drafters
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """Sizes of one drafter's layers (the drafters default each to the target's)."""
+
+    family: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    n_aux: int
+    draft_vocab: int
+    vocab: int
+    markov_rank: int = 0
+    block_size: int = 0
+    anchors: int = 0
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    trainable: int
+    frozen: int
+    lookup: int = 0
+    """Trainable parameters used as a lookup table (no matmul FLOPs): DSpark's Markov W1."""
+
+    @property
+    def total(self) -> int:
+        return self.trainable + self.frozen
+
+
+def eagle3_params(d: DrafterShape) -> ParamCount:
+    """EAGLE-3 (drafters/eagle3.py): fc fuses n_aux features; the first layer's attention reads the 2H-wide
+    [embedding; hidden] input and has three norms; later layers are plain Llama layers; lm_head over the draft
+    vocabulary is trained; the embedding is the target's, frozen; a 2H -> 256 -> 1 confidence MLP."""
+    H, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    mlp = 3 * H * d.intermediate
+    first = 2 * H * q + 2 * (2 * H * kv) + q * H + mlp + 3 * H
+    other = H * q + 2 * H * kv + q * H + mlp + 2 * H
+    confidence = (2 * H * CONFIDENCE_HIDDEN + CONFIDENCE_HIDDEN) + (CONFIDENCE_HIDDEN + 1)
+    trainable = d.n_aux * H * H + first + (d.layers - 1) * other + H + d.draft_vocab * H + confidence
+    return ParamCount(trainable=trainable, frozen=d.vocab * H)
+
+
+def dspark_params(d: DrafterShape) -> ParamCount:
+    """DSpark-style block drafter: fc + hidden_norm fuse the features; Qwen3-style layers (q/k norms); the
+    lm_head is the target's rows of the draft vocabulary and stays frozen, like the embedding; the Markov bias
+    W1 [V, r] (a lookup) and W2 [r, D] and the confidence head w over [h; W1[x]] are trained."""
+    H, q, kv, r = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim, d.markov_rank
+    layer = H * q + 2 * H * kv + q * H + 2 * d.head_dim + 3 * H * d.intermediate + 2 * H
+    markov_w1 = d.vocab * r
+    trainable = d.n_aux * H * H + H + d.layers * layer + H + markov_w1 + r * d.draft_vocab + (H + r) + 1
+    return ParamCount(trainable=trainable, frozen=d.draft_vocab * H + d.vocab * H, lookup=markov_w1)
+
+
+def drafter_shapes(cfg: RunConfig, t: TargetShape) -> list[DrafterShape]:
+    train = cfg.train
+    families = list(getattr(train, "drafters", None) or [getattr(train, "drafter", "eagle3")])
+    n_aux = len(cfg.collect.aux_layer_ids) if cfg.collect.aux_layer_ids is not None else 3
+    D = min(train.draft_vocab_size, t.vocab)
+    shapes = []
+    for family in families:
+        if family == "eagle3":
+            shapes.append(DrafterShape(
+                "eagle3", t.hidden, train.num_layers, train.num_attention_heads or t.heads,
+                train.num_key_value_heads or t.kv_heads, train.head_dim or t.head_dim,
+                train.intermediate_size or t.intermediate, n_aux, D, t.vocab))
+        elif family == "dspark":
+            ds = train.dspark
+            shapes.append(DrafterShape(
+                "dspark", t.hidden, ds.num_layers, ds.num_attention_heads or t.heads,
+                ds.num_key_value_heads or t.kv_heads, ds.head_dim or t.head_dim,
+                ds.intermediate_size or t.intermediate, len(ds.aux_layer_ids) if ds.aux_layer_ids else n_aux,
+                D, t.vocab, markov_rank=ds.markov_rank, block_size=ds.block_size, anchors=ds.anchors_per_sequence))
+        else:
+            raise PlanError(f"no plan formulas for drafter family {family!r}")
+    return shapes
+
+
+def drafter_params(d: DrafterShape) -> ParamCount:
+    return eagle3_params(d) if d.family == "eagle3" else dspark_params(d)
+
+
+# --------------------------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How training is spread: ranks, ZeRO stage, precision, offload, and the frozen target's placement."""
+
+    world: int
+    zero_stage: int
+    """0 = DDP (accelerate autocast over fp32 weights); 1/2/3 = DeepSpeed ZeRO."""
+    bf16: bool
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    online: bool = False
+    target_shards: int = 1
+    """Ways the frozen target is split across GPUs (1 = a whole copy per rank); 0 = kept in CPU memory."""
+
+
+def deepspeed_settings(path: str | None) -> dict[str, Any]:
+    """ZeRO stage and offload devices from a DeepSpeed JSON (empty without one)."""
+    if not path:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"train.deepspeed: {p} not found")
+    zero = json.loads(p.read_text()).get("zero_optimization", {})
+    return {"zero_stage": int(zero.get("stage", 0)),
+            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") == "cpu",
+            "offload_params": zero.get("offload_param", {}).get("device", "none") == "cpu"}
+
+
+def make_layout(cfg: RunConfig, world: int, zero_stage: int | None) -> Layout:
+    ds = deepspeed_settings(cfg.train.deepspeed)
+    stage = zero_stage if zero_stage is not None else ds.get("zero_stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise PlanError(f"ZeRO stage must be 0..3, got {stage}")
+    online = cfg.train.features == "online"
+    shards = 1
+    if online:
+        if cfg.model.zero3 == "gpu":
+            shards = world
+        elif cfg.model.zero3 == "cpu":
+            shards = 0
+        elif (cfg.model.tp_size or 1) > 1:
+            shards = cfg.model.tp_size or 1
+    return Layout(world=world, zero_stage=stage, bf16=cfg.train.mixed_precision != "no",
+                  offload_optimizer=bool(ds.get("offload_optimizer")) and stage > 0,
+                  offload_params=bool(ds.get("offload_params")) and stage == 3, online=online, target_shards=shards)
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+def state_bytes(p: ParamCount, lay: Layout) -> dict[str, float]:
+    """Per-rank bytes of the drafter's weights, gradients and AdamW state.
+
+    DDP (stage 0): fp32 weights under autocast, fp32 gradients, two fp32 moments: 16 B per trainable parameter.
+    DeepSpeed bf16: bf16 weights and gradients, an fp32 master copy and two fp32 moments (2+2+4+8 = 16 B);
+    stage 1 partitions master+moments over the ranks, stage 2 also the gradients, stage 3 also the weights.
+    """
+    W, s = lay.world, lay.zero_stage
+    if s == 0 or not lay.bf16:
+        w = g = 4.0
+        master = 0.0
+    else:
+        w = g = 2.0
+        master = 4.0
+    moments = 8.0
+    part = lambda stage: W if s >= stage else 1
+    weights = p.trainable * w / part(3)
+    frozen = p.frozen * (4.0 if s == 0 else w) / part(3)
+    if lay.offload_params:
+        weights = frozen = 0.0
+    optimizer = p.trainable * (master + moments) / part(1)
+    if lay.offload_optimizer:
+        optimizer = 0.0
+    return {"drafter weights": weights, "frozen drafter weights": frozen,
+            "gradients": p.trainable * g / part(2), "optimizer (master + moments)": optimizer}
+
+
+def eagle3_activation_bytes(d: DrafterShape, steps: int, batch_tokens: int, seq: int, feature_bytes: int,
+                            act: int, checkpointing: bool) -> float:
+    """One micro-batch of the TTT unroll (drafters/eagle3.py), as kept for backward. T = batch_tokens, S = the
+    longest sequence, a = activation bytes (2 in bf16):
+
+    - inputs: the features (n_aux + 1 states per token), fc's output, the teacher's draft-vocab probabilities;
+    - per step and layer: the Llama-layer activations, T x a x (6H [first layer: 2H-wide input] or 4H
+      + (4 heads + 2 kv_heads) x head_dim [q, k, v, GQA-repeated k/v, attention output] + 3 x MLP width);
+    - steps i >= 1 build explicit scores against step 0's keys: heads x S x T x 8 B (bf16 scores, fp32 and bf16
+      probabilities) per layer, plus the stacked keys/values of steps 1..i (i x 2 x heads x head_dim x T x a);
+    - per step the draft-vocab logits with their fp32 log-softmax and softmax (T x D x (a + 8)) and the
+      confidence MLP's input and hidden (T x (2H + 256) x a).
+
+    With gradient checkpointing only each step's layer inputs (2H) and the k/v the later steps attend to stay,
+    and one step (the last, the largest) is rebuilt at a time."""
+    T, H, hd, D, nl = batch_tokens, d.hidden, d.head_dim, d.draft_vocab, d.layers
+    attn = (4 * d.heads + 2 * d.kv_heads) * hd
+    first = T * act * (6 * H + attn + 3 * d.intermediate)
+    other = T * act * (4 * H + attn + 3 * d.intermediate)
+    step_layers = first + (nl - 1) * other
+    scores = nl * d.heads * seq * T * 8
+    diag = lambda i: nl * i * 2 * d.heads * hd * T * act
+    if checkpointing:
+        kept = steps * nl * T * act * (2 * H + 2 * d.kv_heads * hd) + step_layers + scores + diag(steps - 1)
+    else:
+        kept = steps * step_layers + (steps - 1) * scores + sum(diag(i) for i in range(1, steps))
+    heads = steps * (T * D * (act + 8) + T * (2 * H + CONFIDENCE_HIDDEN) * act)
+    inputs = T * (d.n_aux + 1) * H * feature_bytes + T * H * act + T * D * 4
+    return float(inputs + kept + heads)
+
+
+def dspark_slots(d: DrafterShape, batch_tokens: int, seq: int) -> tuple[int, int, int]:
+    """(sequences, anchors per sequence, block slots) of one micro-batch: every anchor (at most one per
+    position) drafts a block of block_size slots."""
+    sequences = max(1, batch_tokens // seq)
+    anchors = min(d.anchors, seq)
+    return sequences, anchors, sequences * anchors * d.block_size
+
+
+def dspark_activation_bytes(d: DrafterShape, batch_tokens: int, seq: int, feature_bytes: int, act: int) -> float:
+    """One micro-batch of the packed block forward (drafters/dspark.py), as kept for backward. Tb = block slots;
+    each row's keys are its S context positions followed by its A x block_size slots:
+
+    - inputs: the features, fc's output and its norm (2 x T x H x a);
+    - per layer: the context K/V (T x 2 kv_heads x head_dim x a), the block slots' layer activations
+      (Tb x a x (4H + (2 heads + 2 kv_heads) x head_dim + 3 x MLP width)) and the GQA-repeated keys/values over
+      every key ((T + Tb) x 2 heads x head_dim x a); SDPA with a boolean mask keeps no score matrix;
+    - the boolean block mask, Tb x (S + A x block_size) bytes, once;
+    - heads: the block logits with fp32 log-softmax/softmax (Tb x D x (a + 8)), the Markov rows and bias
+      (Tb x (r + D) x a), the teacher's probabilities (Tb x D x 4) and the confidence input (Tb x (H + r) x a)."""
+    T, H, hd, D, r = batch_tokens, d.hidden, d.head_dim, d.draft_vocab, d.markov_rank
+    _, anchors, Tb = dspark_slots(d, T, seq)
+    per_layer = (T * 2 * d.kv_heads * hd * act
+                 + Tb * act * (4 * H + (2 * d.heads + 2 * d.kv_heads) * hd + 3 * d.intermediate)
+                 + (T + Tb) * 2 * d.heads * hd * act)
+    mask = Tb * (seq + anchors * d.block_size)
+    heads = Tb * D * (act + 8) + Tb * (r + D) * act + Tb * D * 4 + Tb * (H + r) * act
+    inputs = T * (d.n_aux + 1) * H * feature_bytes + 2 * T * H * act
+    return float(inputs + d.layers * per_layer + mask + heads)
+
+
+def target_bytes(t: TargetShape, lay: Layout, batch_tokens: int, n_aux: int) -> dict[str, float]:
+    """The frozen target in the training process (features=online): bf16 weights, whole or sharded, plus one
+    forward's working set (the captured aux + final states and a layer's activations; no KV cache, no logits)."""
+    if not lay.online:
+        return {}
+    weights = 0.0 if lay.target_shards == 0 else t.params * 2.0 / lay.target_shards
+    forward = batch_tokens * ((n_aux + 1) * t.hidden + 4 * t.hidden + 2 * t.intermediate) * 2.0
+    return {"target weights (bf16)": weights, "target forward": forward}
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+
+
+def eagle3_flops(d: DrafterShape, p: ParamCount, t: TargetShape, steps: int, seq: float) -> dict[str, float]:
+    """Per training token (seq = mean record length): 6 x trainable parameters per TTT step (forward +
+    backward); attention per layer: step 0 is causal SDPA (4 x heads x head_dim x seq/2 forward, x3 with
+    backward = 6 x heads x head_dim x seq) and steps >= 1 compute the full score matrix before masking (twice
+    that); the frozen teacher head over the full vocabulary, forward only (2 x V x H)."""
+    attention = d.layers * d.heads * d.head_dim * seq * (6 + 12 * (steps - 1))
+    return {"drafter": 6.0 * p.trainable * steps, "drafter attention": float(attention),
+            "teacher head": 2.0 * t.vocab * t.hidden}
+
+
+def dspark_flops(d: DrafterShape, p: ParamCount, t: TargetShape, seq: float) -> dict[str, float]:
+    """Per context token (seq = mean record length, A = min(anchors, seq) blocks per sequence, ρ = A x block /
+    seq block slots per context token): every token goes through fc and each layer's K/V projection (context
+    injection); the block slots go through the rest of the backbone (all trainable parameters but fc and the
+    Markov W1 lookup), attend to all seq + A x block keys of their row (12 x heads x head_dim per key and
+    layer, forward + backward), and pass the frozen lm_head (forward + input gradient, 4 x D x H) and the
+    teacher head (2 x V x H)."""
+    H, kv = d.hidden, d.kv_heads * d.head_dim
+    anchors = min(d.anchors, seq)
+    rho = anchors * d.block_size / seq
+    context = d.n_aux * H * H + d.layers * 2 * H * kv
+    block = p.trainable - p.lookup - d.n_aux * H * H
+    return {"drafter (context)": 6.0 * context,
+            "drafter (blocks)": rho * 6.0 * block,
+            "drafter attention": rho * 12.0 * d.heads * d.head_dim * (seq + anchors * d.block_size) * d.layers,
+            "frozen lm_head": rho * 4.0 * d.draft_vocab * H,
+            "teacher head": rho * 2.0 * t.vocab * t.hidden}
+
+
+def online_flops(t: TargetShape, seq: float) -> dict[str, float]:
+    """The target's forward per token when features are online (no lm_head: features only)."""
+    return {"target forward": 2.0 * t.body_params + 2.0 * t.layers * t.heads * t.head_dim * seq}
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+@dataclass
+class Plan:
+    target: dict[str, Any]
+    tokens: int | None
+    tokens_source: str
+    seq_len: int
+    """Longest sequence in a micro-batch (attention scores scale with it)."""
+    mean_len: float
+    feature_bytes_per_token: int
+    feature_disk_bytes: int | None
+    layout: dict[str, Any]
+    drafters: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def estimate_tokens(cfg: RunConfig, tokens: int | None, records: int | None, prompt_tokens: int) -> tuple[int | None, str, float]:
+    """(training tokens, where the number comes from, mean tokens per record)."""
+    per_record = float(min(cfg.data.max_length, prompt_tokens + cfg.generate.max_new_tokens))
+    if tokens is not None:
+        return tokens, "--tokens", per_record
+    counted = _tokens_in_run(cfg)
+    if counted is not None:
+        n, total, where = counted
+        return total, f"counted in {where}", total / max(n, 1)
+    if records is None and cfg.data.sources and all(s.limit for s in cfg.data.sources):
+        records = sum(s.limit for s in cfg.data.sources)  # type: ignore[misc]
+    records = (records or 0) + cfg.generate.synthesize
+    if not records:
+        return None, "unknown: pass --tokens N or --records N (or set data.sources[*].limit)", per_record
+    est = int(records * per_record)
+    return est, (f"{records:,} records x {per_record:.0f} tokens (min(data.max_length, {prompt_tokens} prompt tokens "
+                 f"+ generate.max_new_tokens); set --prompt-tokens / --tokens to refine)"), per_record
+
+
+def _tokens_in_run(cfg: RunConfig) -> tuple[int, int, str] | None:
+    """(records, tokens) of the run's generated records, when generate already ran."""
+    directory = cfg.run_path / "generated"
+    if not (directory / "manifest.json").is_file():
+        return None
+    import pyarrow.parquet as pq
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    n = total = 0
+    for shard in manifest.get("shards", []):
+        table = pq.read_table(directory / shard["file"], columns=["num_tokens", "num_supervised"]).to_pydict()
+        for tokens, supervised in zip(table["num_tokens"], table["num_supervised"]):
+            if supervised > 0:
+                n, total = n + 1, total + tokens
+    return (n, total, str(directory)) if n else None
+
+
+def make_plan(cfg: RunConfig, *, target_config=None, tokens: int | None = None, records: int | None = None,
+              prompt_tokens: int = 256, world: int = 8, zero_stage: int | None = None,
+              gpu_tflops: float = 989.0, mfu: float = 0.35) -> Plan:
+    from data.feature_store import bytes_per_token
+
+    config = target_config if target_config is not None else load_target_config(cfg)
+    t = target_shape(config)
+    lay = make_layout(cfg, world, zero_stage)
+    train = cfg.train
+    n_aux_store = len(cfg.collect.aux_layer_ids) if cfg.collect.aux_layer_ids is not None else 3
+    bpt = bytes_per_token(n_aux_store, t.hidden, cfg.collect.dtype)
+    total, source, mean_len = estimate_tokens(cfg, tokens, records, prompt_tokens)
+    seq = min(cfg.data.max_length, train.batch_tokens)
+    feature_bytes = 0 if lay.online else (2 if cfg.collect.dtype == "bfloat16" else 4)
+    act = 2 if lay.bf16 else 4
+    plan = Plan(target=asdict(t), tokens=total, tokens_source=source, seq_len=seq, mean_len=mean_len,
+                feature_bytes_per_token=bpt, feature_disk_bytes=None if total is None else bpt * total,
+                layout=asdict(lay))
+    for d in drafter_shapes(cfg, t):
+        p = drafter_params(d)
+        memory = state_bytes(p, lay)
+        if d.family == "eagle3":
+            memory["activations (TTT unroll)"] = eagle3_activation_bytes(
+                d, train.ttt_steps, train.batch_tokens, seq, feature_bytes, act, train.gradient_checkpointing)
+            memory["teacher lm_head (bf16)"] = 2.0 * t.vocab * t.hidden
+            memory["teacher logits (one chunk)"] = float(min(TEACHER_CHUNK, train.batch_tokens) * t.vocab * (act + 4))
+            flops = eagle3_flops(d, p, t, train.ttt_steps, mean_len)
+        else:
+            memory["activations (anchor blocks)"] = dspark_activation_bytes(d, train.batch_tokens, seq, feature_bytes, act)
+            memory["teacher lm_head (bf16)"] = 2.0 * t.vocab * t.hidden
+            flops = dspark_flops(d, p, t, mean_len)
+        memory.update(target_bytes(t, lay, train.batch_tokens, n_aux_store))
+        if lay.online:
+            flops.update(online_flops(t, mean_len))
+        per_token = sum(flops.values())
+        gpu_hours = None
+        if total is not None:
+            epochs = getattr(train.dspark, "epochs", None) if d.family == "dspark" else None
+            epochs = epochs or train.epochs
+            gpu_hours = total * epochs * per_token / (gpu_tflops * 1e12 * mfu) / 3600
+        plan.drafters.append({
+            "family": d.family, "shape": asdict(d), "params": {**asdict(p), "total": p.total},
+            "memory_bytes": memory, "memory_total_bytes": sum(memory.values()),
+            "flops_per_token": flops, "flops_per_token_total": per_token,
+            "gpu_hours": gpu_hours, "assumed_gpu_tflops": gpu_tflops, "assumed_mfu": mfu,
+        })
+    return plan
+
+
+# -------------------------------------------------------------------------------------------- report
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:8.2f} GiB"
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} "
+
+
+def render(plan: Plan, gpu_memory_gib: float) -> str:
+    t, lay = plan.target, plan.layout
+    lines = [
+        (f"target: {t['layers']} layers, hidden {t['hidden']}, {t['heads']}/{t['kv_heads']} heads x {t['head_dim']}, "
+         f"MLP {t['intermediate']}, vocab {t['vocab']:,}; {t['params'] / 1e9:.2f} B parameters"),
+        "",
+        "offline features (collect)",
+        f"  bytes/token: {plan.feature_bytes_per_token:,}  (aux + final hidden states, token id int32, mask byte)",
+        f"  tokens:      {'?' if plan.tokens is None else f'{plan.tokens:,}'}  ({plan.tokens_source})",
+        "  disk:        " + ("?" if plan.feature_disk_bytes is None else
+                              f"{plan.feature_disk_bytes / GIB:,.1f} GiB ({plan.feature_disk_bytes / 1e12:,.2f} TB); "
+                              "features=online needs none"),
+        "",
+        f"training layout: {lay['world']} rank(s), "
+        + ("DDP" if lay["zero_stage"] == 0 else f"DeepSpeed ZeRO-{lay['zero_stage']}")
+        + (", optimizer offloaded to CPU" if lay["offload_optimizer"] else "")
+        + (", weights offloaded to CPU" if lay["offload_params"] else "")
+        + (", bf16" if lay["bf16"] else ", fp32")
+        + (", features online (target "
+           + ("in CPU memory" if lay["target_shards"] == 0 else "replicated" if lay["target_shards"] == 1
+              else f"split {lay['target_shards']} ways") + ")" if lay["online"] else ", features offline")
+        + f"; longest sequence {plan.seq_len}, mean record {plan.mean_len:.0f} tokens",
+    ]
+    for d in plan.drafters:
+        p = d["params"]
+        lines += ["", f"{d['family']}: {p['trainable'] / 1e6:,.1f} M trainable + {p['frozen'] / 1e6:,.1f} M frozen parameters"]
+        lines.append("  GPU memory per rank:")
+        for name, value in d["memory_bytes"].items():
+            lines.append(f"    {name:32s} {_gib(value)}")
+        total = d["memory_total_bytes"]
+        verdict = "fits" if total <= gpu_memory_gib * GIB * 0.9 else "does NOT fit"
+        lines.append(f"    {'total':32s} {_gib(total)}   ({verdict} in {gpu_memory_gib:g} GiB with 10% headroom)")
+        lines.append("  FLOPs per training token:")
+        for name, value in d["flops_per_token"].items():
+            lines.append(f"    {name:32s} {_si(value)}FLOP")
+        lines.append(f"    {'total':32s} {_si(d['flops_per_token_total'])}FLOP")
+        if d["gpu_hours"] is not None:
+            lines.append(f"  ≈ {d['gpu_hours']:,.1f} GPU-hours for the planned epochs at {d['assumed_mfu']:.0%} MFU of "
+                         f"{d['assumed_gpu_tflops']:g} TFLOP/s")
+    return "\n".join(lines)
+
+
+def run_plan(cfg: RunConfig, tokens: int | None = None, records: int | None = None, prompt_tokens: int = 256,
+             world_size: int = 8, zero_stage: int | None = None, target_config: str | None = None,
+             gpu_memory_gib: float = 80.0, gpu_tflops: float = 989.0, mfu: float = 0.35,
+             json_out: str | None = None) -> Plan:
+    """The `draftsmith plan` stage: compute, print, and optionally write the plan as JSON."""
+    from pipeline.console import console
+    from pipeline.errors import StageError
+
+    try:
+        config = load_target_config(cfg, target_config)
+        plan = make_plan(cfg, target_config=config, tokens=tokens, records=records, prompt_tokens=prompt_tokens,
+                         world=world_size, zero_stage=zero_stage, gpu_tflops=gpu_tflops, mfu=mfu)
+    except PlanError as exc:
+        raise StageError(str(exc)) from None
+    console.print(render(plan, gpu_memory_gib), highlight=False, markup=False, soft_wrap=True)
+    if json_out:
+        Path(json_out).write_text(plan.to_json())
+    return plan

@@ -1,0 +1,37 @@
+"""Launched by tests/launch/test_multiprocess.py in place of `-m pipeline.cli`: runs the real CLI (`STAGE CONFIG
+overrides...`), and after training every rank writes its own copy of the drafter's trainable parameters to
+$SYNC_DIR/rank<r>.safetensors so the test can check the ranks stayed in sync."""
+
+import os
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+import pipeline.train as train_stage
+
+_real_train = train_stage.Trainer.train
+
+
+def _train_then_dump(self):
+    result = _real_train(self)
+    acc = self.accelerator
+    state = acc.get_state_dict(self.model, unwrap=True)  # gathered from the partitions under ZeRO-3
+    params = {n: p.detach().cpu().contiguous() for n, p in self.unwrapped().named_parameters() if p.requires_grad}
+    if not all(p.numel() for p in params.values()):
+        params = {n: state[n].cpu().contiguous() for n in params}
+    out = Path(os.environ["SYNC_DIR"])
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(params, str(out / f"rank{acc.process_index}.safetensors"))
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    print(f"SYNC world={acc.num_processes} engine={type(self.model).__name__} "
+          f"zero={getattr(plugin, 'zero_stage', None)}", flush=True)
+    return result
+
+
+train_stage.Trainer.train = _train_then_dump
+
+if __name__ == "__main__":
+    from pipeline.cli import main
+
+    sys.exit(main(sys.argv[1:]))
