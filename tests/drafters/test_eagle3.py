@@ -96,3 +96,18 @@ def test_save_and_load_round_trip(tmp_path):
     assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight",
             "norm.weight", "d2t", "t2d", "embed_tokens.weight"} <= names
     assert again.midlayer.self_attn.q_proj.weight.shape == (4 * 8, 2 * 32)  # layer 0 takes 2H
+
+
+def test_lm_head_starts_from_the_targets_rows_of_the_draft_vocab():
+    from types import SimpleNamespace
+
+    from drafters.vocab import draft_to_target_ids, select_draft_vocab
+
+    tcfg = SimpleNamespace(vocab_size=97, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           intermediate_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128)
+    d2t, t2d = select_draft_vocab(torch.rand(97), 41)
+    embed, head = torch.randn(97, 32), torch.randn(97, 32)
+    fresh = Eagle3Drafter.from_target(tcfg, [1, 2, 3], 41, embed, d2t, t2d)
+    seeded = Eagle3Drafter.from_target(tcfg, [1, 2, 3], 41, embed, d2t, t2d, head_weight=head)
+    assert torch.equal(seeded.lm_head.weight, head[draft_to_target_ids(d2t)])
+    assert seeded.lm_head.weight.requires_grad and not torch.equal(fresh.lm_head.weight, seeded.lm_head.weight)
