@@ -40,7 +40,7 @@ STAGES = {
     "collect": "run the target over the records and store its aux-layer and final hidden states (feature store)",
     "train": "train the drafters of train.drafters (EAGLE-3 with training-time test, DSpark block drafter) on the features, with accelerate / DeepSpeed",
     "eval": "measure acceptance length per domain and speedup with the exact speculative-decoding verifier",
-    "export": "write the drafter for vLLM / SGLang (eagle3/) and in the speculators format (speculators/)",
+    "export": "write the drafters for vLLM / SGLang (eagle3/), in the speculators format (speculators/) and DSpark (dspark/)",
     "import": "load an exported drafter directory (--from DIR) back into draftsmith (RUN_DIR/imported)",
     "run": "run every stage in order into one run directory, skipping or resuming what is already done",
     "plan": "before running: disk for offline features, GPU memory per training rank, FLOPs per training token",

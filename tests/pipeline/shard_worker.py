@@ -1,8 +1,10 @@
 """Run by tests/pipeline/test_target_sharding.py under torchrun (2 ranks, gloo): load the tiny target sharded
 (ZeRO-3 inference with CPU partitions, then transformers tensor parallelism) and print, per rank, whether its
-features and gathered head/embedding equal those of the whole model loaded plainly."""
+features and gathered head/embedding equal those of the whole model loaded plainly. Each rank writes its own
+result file (two ranks printing to one pipe can interleave their lines)."""
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,9 +14,10 @@ from pipeline.config import ModelConfig
 from pipeline.target import load_head_weights, load_model
 
 if __name__ == "__main__":
-    path = sys.argv[1]
+    path, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    lines = []
     whole = load_model(ModelConfig(target=path, dtype="float32"))
     reference = FeatureCapture(whole, [0, 1, 2])
     for label, fields in (("zero3-cpu", {"zero3": "cpu"}), ("tp", {"tp_size": 2})):
@@ -31,5 +34,6 @@ if __name__ == "__main__":
             aux, final = capture(ids)
             aux_ref, final_ref = reference(ids)
             worst = max(worst, (aux - aux_ref).abs().max().item(), (final - final_ref).abs().max().item())
-        print(f"RESULT {label} rank={rank} weights_equal={same_weights} max_abs_diff={worst:.3g}", flush=True)
+        lines.append(f"RESULT {label} rank={rank} weights_equal={same_weights} max_abs_diff={worst:.3g}\n")
+    (out / f"rank{rank}.txt").write_text("".join(lines))
     dist.destroy_process_group()
