@@ -20,9 +20,7 @@ head reads `[h_k ; W1[x_{p+k}]]`, so it sees the previous token but never the to
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +29,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
+from drafters.common import DrafterBase, target_shape_fields
 from drafters.eagle3 import KVCache, _repeat_kv
 
 
@@ -153,8 +152,9 @@ class ConfidenceHead(nn.Module):
         return self.proj(features).squeeze(-1)
 
 
-class DSparkDrafter(nn.Module):
+class DSparkDrafter(DrafterBase):
     name = "dspark"
+    config_class = DSparkConfig
 
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
@@ -177,12 +177,6 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 
     # ------------------------------------------------------------------------------------ building blocks
-
-    def _rope(self, positions: torch.Tensor, like: torch.Tensor):
-        freqs = positions[..., None].float() * self._inv_freq.to(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        scale = self.rotary.attention_scaling
-        return (emb.cos() * scale).to(like.dtype), (emb.sin() * scale).to(like.dtype)
 
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """Fused, normalized target features [B, T, H] (what every layer projects its context K/V from)."""
@@ -310,19 +304,7 @@ class DSparkDrafter(nn.Module):
                     d2t: torch.Tensor, t2d: torch.Tensor, head_weight: torch.Tensor, **overrides) -> "DSparkDrafter":
         """A drafter shaped like the target's layers (overridable), with the target's embedding and the draft-vocab
         rows of its LM head copied in."""
-        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
-        rope = getattr(target_config, "rope_parameters", None) or {}
-        fields = dict(
-            vocab_size=target_config.vocab_size, draft_vocab_size=draft_vocab_size,
-            hidden_size=target_config.hidden_size, target_hidden_size=target_config.hidden_size,
-            num_attention_heads=target_config.num_attention_heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
-            head_dim=head_dim, intermediate_size=target_config.intermediate_size, aux_layer_ids=list(aux_layer_ids),
-            mask_token_id=target_config.vocab_size - 1,
-            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
-            max_position_embeddings=target_config.max_position_embeddings,
-        )
+        fields = {**target_shape_fields(target_config, aux_layer_ids, draft_vocab_size), "mask_token_id": target_config.vocab_size - 1}
         fields.update({k: v for k, v in overrides.items() if v is not None})
         if fields["hidden_size"] != target_config.hidden_size:
             raise ValueError("the drafter shares the target's (frozen) embedding and head, so its hidden size must equal the target's")
@@ -335,28 +317,4 @@ class DSparkDrafter(nn.Module):
             model.t2d.copy_(t2d)
             ids = torch.arange(draft_vocab_size) + d2t
             model.lm_head.weight.copy_(head_weight.detach().to(model.lm_head.weight.device, torch.float32)[ids.to(head_weight.device)])
-        return model
-
-    def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = state_dict if state_dict is not None else self.state_dict()
-        state = {k: v.detach().contiguous().cpu() for k, v in state.items() if not k.startswith("rotary.")}
-        save_file(state, str(directory / "model.safetensors"))
-        (directory / "config.json").write_text(json.dumps({"drafter": self.name, **self.config.to_dict()}, indent=2))
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path) -> "DSparkDrafter":
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        raw = json.loads((directory / "config.json").read_text())
-        raw.pop("drafter", None)
-        model = cls(DSparkConfig.from_dict(raw))
-        missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
-        missing = [m for m in missing if not m.startswith("rotary.")]
-        if missing or unexpected:
-            raise ValueError(f"{directory}: checkpoint does not match the drafter (missing {missing}, unexpected {unexpected})")
         return model

@@ -12,10 +12,8 @@ t+1+i; it attends to the step-0 keys of slots 0..t (causal) and to the keys of s
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +21,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from drafters.common import DrafterBase, target_shape_fields
 
 
 @dataclass
@@ -204,8 +204,9 @@ class Eagle3Layer(nn.Module):
         return self._mlp(residual + self.self_attn.cached(x, cos, sin, cache, layer, key_mask, attn_mask))
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(DrafterBase):
     name = "eagle3"
+    config_class = Eagle3Config
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
@@ -233,13 +234,6 @@ class Eagle3Drafter(nn.Module):
 
     def all_layers(self) -> list[Eagle3Layer]:
         return [self.midlayer, *self.layers]
-
-    def _rope(self, positions: torch.Tensor, like: torch.Tensor):
-        """cos/sin of RoPE at `positions`, computed in fp32 and cast to the activations' dtype."""
-        freqs = positions[..., None].float() * self._inv_freq.to(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        scale = self.rotary.attention_scaling
-        return (emb.cos() * scale).to(like.dtype), (emb.sin() * scale).to(like.dtype)
 
     def heads(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft-vocab logits, confidence logit) from pre-norm hidden states and the input tokens."""
@@ -305,18 +299,7 @@ class Eagle3Drafter(nn.Module):
         """A drafter shaped like the target's layers (overridable), with the target's embedding copied in. With
         `head_weight` (the target's LM head [V, H]), `lm_head` starts from its draft-vocab rows (and stays
         trainable): with little data, a head learned from scratch is what limits acceptance."""
-        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
-        rope = getattr(target_config, "rope_parameters", None) or {}
-        fields = dict(
-            vocab_size=target_config.vocab_size, draft_vocab_size=draft_vocab_size,
-            hidden_size=target_config.hidden_size, target_hidden_size=target_config.hidden_size,
-            num_attention_heads=target_config.num_attention_heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
-            head_dim=head_dim, intermediate_size=target_config.intermediate_size, aux_layer_ids=list(aux_layer_ids),
-            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
-            max_position_embeddings=target_config.max_position_embeddings, num_layers=num_layers,
-        )
+        fields = {**target_shape_fields(target_config, aux_layer_ids, draft_vocab_size), "num_layers": num_layers}
         fields.update({k: v for k, v in overrides.items() if v is not None})
         if fields["hidden_size"] != target_config.hidden_size:
             raise ValueError("the drafter shares the target's (frozen) embedding, so its hidden size must equal the target's")
@@ -328,29 +311,4 @@ class Eagle3Drafter(nn.Module):
             if head_weight is not None:
                 rows = (torch.arange(draft_vocab_size) + d2t).to(head_weight.device)
                 model.lm_head.weight.copy_(head_weight.detach()[rows].to(model.lm_head.weight.dtype))
-        return model
-
-    def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """model.safetensors + config.json. `state_dict` overrides the module's own (e.g. gathered under ZeRO-3)."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = state_dict if state_dict is not None else self.state_dict()
-        state = {k: v.detach().contiguous().cpu() for k, v in state.items() if not k.startswith("rotary.")}
-        save_file(state, str(directory / "model.safetensors"))
-        (directory / "config.json").write_text(json.dumps({"drafter": self.name, **self.config.to_dict()}, indent=2))
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path) -> "Eagle3Drafter":
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        raw = json.loads((directory / "config.json").read_text())
-        raw.pop("drafter", None)
-        model = cls(Eagle3Config.from_dict(raw))
-        missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
-        missing = [m for m in missing if not m.startswith("rotary.")]
-        if missing or unexpected:
-            raise ValueError(f"{directory}: checkpoint does not match the drafter (missing {missing}, unexpected {unexpected})")
         return model

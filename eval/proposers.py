@@ -52,8 +52,9 @@ class PromptLookup(NoDraft):
         return [], None, []
 
 
-class Eagle3Proposer:
-    name = "eagle3"
+class TrainedProposer:
+    """What proposers of trained drafters share: the draft->target vocabulary map and drawing one draft token."""
+
     needs_features = True
 
     def __init__(self, drafter, confidence_threshold: float | None = None):
@@ -63,6 +64,19 @@ class Eagle3Proposer:
         self.vocab = drafter.config.vocab_size
         self.threshold = confidence_threshold
         self.aux_ids = drafter.config.aux_layer_ids
+
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, gen) -> tuple[int, torch.Tensor | None]:
+        """(target token id, the full-vocabulary q it was sampled from; None when greedy) from draft-vocab logits."""
+        if params.greedy:
+            return int(self.ids[logits.argmax()]), None
+        qd = probs_from_logits(logits, params)
+        q = torch.zeros(self.vocab, device=self.device, dtype=qd.dtype)
+        q[self.ids] = qd
+        return sample(q, gen), q
+
+
+class Eagle3Proposer(TrainedProposer):
+    name = "eagle3"
 
     def _extend(self, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
         """Append step-0 entries (target features of verified positions + the tokens that follow them)."""
@@ -90,14 +104,8 @@ class Eagle3Proposer:
             if self.threshold is not None and i > 0 and survival * c < self.threshold:
                 break
             survival *= c
-            if params.greedy:
-                x = int(self.ids[logits.argmax()])
-                q = None
-            else:
-                qd = probs_from_logits(logits, params)
-                q = torch.zeros(self.vocab, device=self.device, dtype=qd.dtype)
-                q[self.ids] = qd
-                x = sample(q, gen)
+            x, q = self._draw(logits, params, gen)
+            if q is not None:
                 qs.append(q)
             drafts.append(x)
             confs.append(c)
@@ -159,7 +167,7 @@ class Eagle3Proposer:
         self._extend(feats, list(tokens) + [new])
 
 
-class DSparkProposer:
+class DSparkProposer(TrainedProposer):
     """A DSpark-style block drafter: one backbone pass per round drafts the block, then tokens are sampled left
     to right from the logits plus the sequential bias of the token just sampled. The context keys/values come
     from the target's features of verified positions and are appended after each round (never rolled back:
@@ -170,17 +178,11 @@ class DSparkProposer:
     so whether x_i is verified does not depend on x_i (non-anticipating)."""
 
     name = "dspark"
-    needs_features = True
 
     def __init__(self, drafter, confidence_threshold: float | None = None, draft_length: int | None = None):
-        self.drafter = drafter.eval()
-        self.device = next(drafter.parameters()).device
-        self.ids = draft_to_target_ids(drafter.d2t).to(self.device)
-        self.vocab = drafter.config.vocab_size
-        self.threshold = confidence_threshold
+        super().__init__(drafter, confidence_threshold)
         self.block = drafter.config.block_size
         self.length = min(draft_length or self.block, self.block)
-        self.aux_ids = drafter.config.aux_layer_ids
 
     def _extend(self, feats: torch.Tensor) -> None:
         n = feats.shape[0]
@@ -209,13 +211,8 @@ class DSparkProposer:
             if self.threshold is not None and i > 0 and survival * c < self.threshold:
                 break
             survival *= c
-            if params.greedy:
-                x = int(self.ids[logits[0].argmax()])
-            else:
-                qd = probs_from_logits(logits[0], params)
-                q = torch.zeros(self.vocab, device=self.device, dtype=qd.dtype)
-                q[self.ids] = qd
-                x = sample(q, gen)
+            x, q = self._draw(logits[0], params, gen)
+            if q is not None:
                 qs.append(q)
             drafts.append(x)
             confs.append(c)

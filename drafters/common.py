@@ -1,0 +1,66 @@
+"""What every drafter family shares: the shape fields it takes from the target's config, fp32 RoPE tables,
+and the checkpoint format (model.safetensors + config.json naming the family)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def target_shape_fields(target_config, aux_layer_ids: list[int], draft_vocab_size: int) -> dict[str, Any]:
+    """Drafter config fields copied from the target's HF config (the defaults every family starts from)."""
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    rope = getattr(target_config, "rope_parameters", None) or {}
+    return dict(
+        vocab_size=target_config.vocab_size, draft_vocab_size=draft_vocab_size,
+        hidden_size=target_config.hidden_size, target_hidden_size=target_config.hidden_size,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
+        head_dim=head_dim, intermediate_size=target_config.intermediate_size, aux_layer_ids=list(aux_layer_ids),
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+        max_position_embeddings=target_config.max_position_embeddings,
+    )
+
+
+class DrafterBase(torch.nn.Module):
+    """Checkpoint I/O and RoPE for drafters with `config` (a dataclass with to_dict/from_dict), a `rotary`
+    module and an fp32 `_inv_freq`. Subclasses set `name` and `config_class`."""
+
+    name: str
+    config_class: Any
+
+    def _rope(self, positions: torch.Tensor, like: torch.Tensor):
+        """cos/sin of RoPE at `positions`, computed in fp32 and cast to the activations' dtype."""
+        freqs = positions[..., None].float() * self._inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        scale = self.rotary.attention_scaling
+        return (emb.cos() * scale).to(like.dtype), (emb.sin() * scale).to(like.dtype)
+
+    def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """model.safetensors + config.json. `state_dict` overrides the module's own (e.g. gathered under ZeRO-3)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = state_dict if state_dict is not None else self.state_dict()
+        state = {k: v.detach().contiguous().cpu() for k, v in state.items() if not k.startswith("rotary.")}
+        save_file(state, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps({"drafter": self.name, **self.config.to_dict()}, indent=2))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path):
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        raw = json.loads((directory / "config.json").read_text())
+        raw.pop("drafter", None)
+        model = cls(cls.config_class.from_dict(raw))
+        missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+        missing = [m for m in missing if not m.startswith("rotary.")]
+        if missing or unexpected:
+            raise ValueError(f"{directory}: checkpoint does not match the drafter (missing {missing}, unexpected {unexpected})")
+        return model
