@@ -4,10 +4,12 @@ and the checkpoint format (model.safetensors + config.json naming the family).""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import LlamaConfig
 
 
 def target_shape_fields(target_config, aux_layer_ids: list[int], draft_vocab_size: int) -> dict[str, Any]:
@@ -24,6 +26,27 @@ def target_shape_fields(target_config, aux_layer_ids: list[int], draft_vocab_siz
         rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
         max_position_embeddings=target_config.max_position_embeddings,
     )
+
+
+class DrafterConfigMixin:
+    """Shared by the drafter config dataclasses: the HF Llama config of their decoder layers (for the RoPE,
+    MLP and RMSNorm modules) and the dict round trip of config.json."""
+
+    def layer_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
+            rope_theta=self.rope_theta, **{k: v for k, v in self.extra.items() if k in ("rope_scaling",)},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        return cls(**d)
 
 
 class DrafterBase(torch.nn.Module):

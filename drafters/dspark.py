@@ -20,21 +20,20 @@ head reads `[h_k ; W1[x_{p+k}]]`, so it sees the previous token but never the to
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from drafters.common import DrafterBase, target_shape_fields
+from drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
 from drafters.eagle3 import KVCache, _repeat_kv
 
 
 @dataclass
-class DSparkConfig:
+class DSparkConfig(DrafterConfigMixin):
     vocab_size: int
     """Target vocabulary (embedding rows, Markov W1 rows)."""
     draft_vocab_size: int
@@ -61,22 +60,6 @@ class DSparkConfig:
     """Per-slot temperatures of the confidence logits fitted on held-out data (None: uncalibrated)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Target config fields kept for export (e.g. rope scaling)."""
-
-    def layer_config(self) -> LlamaConfig:
-        return LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
-            rope_theta=self.rope_theta, **{k: v for k, v in self.extra.items() if k in ("rope_scaling",)},
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
-        return cls(**d)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

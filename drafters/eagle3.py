@@ -13,20 +13,19 @@ t+1+i; it attends to the step-0 keys of slots 0..t (causal) and to the keys of s
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from drafters.common import DrafterBase, target_shape_fields
+from drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
 
 
 @dataclass
-class Eagle3Config:
+class Eagle3Config(DrafterConfigMixin):
     vocab_size: int
     """Target vocabulary size (embedding rows; engines read it as the target vocab)."""
     draft_vocab_size: int
@@ -53,23 +52,6 @@ class Eagle3Config:
     """Width of the confidence head's hidden layer."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Target config fields kept for export (e.g. rope scaling, bos/eos ids)."""
-
-    def layer_config(self) -> LlamaConfig:
-        """The HF Llama config of the drafter's decoder layers (used for RoPE / MLP / RMSNorm modules)."""
-        return LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
-            rope_theta=self.rope_theta, **{k: v for k, v in self.extra.items() if k in ("rope_scaling",)},
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
-        return cls(**d)
 
 
 class KVCache:

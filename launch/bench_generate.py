@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="number of MT-Bench first-turn prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--attn", default=None, choices=["sdpa", "eager"], help="attention implementation (default: the model's)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per batch size; the median is reported")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     args = ap.parse_args()
@@ -37,7 +38,7 @@ def main() -> None:
     from pipeline.config import ModelConfig, SourceConfig
     from pipeline.target import load_target
 
-    target = load_target(ModelConfig(target=args.target, dtype=args.dtype))
+    target = load_target(ModelConfig(target=args.target, dtype=args.dtype, attn_implementation=args.attn))
     tok, model = target.tokenizer, target.model
     convs = list(iter_conversations(SourceConfig(builtin="mtbench", limit=args.prompts), Counter()))
     prompts = [prompt_ids(tok, c["messages"][:1]) for c in convs]

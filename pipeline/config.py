@@ -127,6 +127,10 @@ class SynthConfig(Section):
     """Reject a prompt whose repeated word 3-grams exceed this fraction of its 3-grams (degenerate loops)."""
     system_prompt: str | None = None
     """System message placed before the user header while synthesizing (None: the template's default)."""
+    openers: list[str] = []
+    """Texts that start synthesized user prompts: candidate j of a round starts with openers[j % len] and the
+    target writes the rest, which steers self-synthesis toward the domains the drafter will serve (e.g.
+    "Write a Python function that"). Empty: unconditioned Magpie-style synthesis from the bare user header."""
     round_size: int = Field(64, ge=1)
     """Candidates sampled per synthesis round (one resumable unit of work)."""
     max_rounds: int = Field(200, ge=1)

@@ -117,7 +117,12 @@ def synthesize_prompts(gen: Generator, tok, cfg: RunConfig, synth_dir: Path, sta
     """
     g = cfg.generate
     s = g.synth
-    header = encode_text(tok, user_header(tok, s.system_prompt))
+    header_text = user_header(tok, s.system_prompt)
+    openers = list(s.openers) or [""]
+    # candidate j of every round continues opener j mod len(openers); the opener is part of the prompt text
+    starts = [encode_text(tok, header_text + op) for op in openers]
+    round_prompts = [starts[j % len(starts)] for j in range(s.round_size)]
+    round_openers = [openers[j % len(openers)] for j in range(s.round_size)]
     sampling = Sampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
     filt = PromptFilter(tok.get_added_vocab().keys(), s.min_chars, s.max_repeat_fraction)
     accepted: list[str] = []
@@ -132,10 +137,11 @@ def synthesize_prompts(gen: Generator, tok, cfg: RunConfig, synth_dir: Path, sta
         mine = first + state.process_index
         path = synth_dir / f"round-{mine:05d}.jsonl"
         if mine < s.max_rounds and not path.exists():
-            comps = gen.generate([header] * s.round_size, sampling, seed=derive_seed(g.seed, "synth", mine))
+            comps = gen.generate(round_prompts, sampling, seed=derive_seed(g.seed, "synth", mine))
             lines = [
-                json.dumps({"text": tok.decode(c.token_ids, skip_special_tokens=False), "finished": c.finish_reason == "stop"})
-                for c in comps
+                json.dumps({"text": op + tok.decode(c.token_ids, skip_special_tokens=False),
+                            "finished": c.finish_reason == "stop"})
+                for op, c in zip(round_openers, comps)
             ]
             atomic_write_text(path, "\n".join(lines) + "\n")
         state.wait_for_everyone()

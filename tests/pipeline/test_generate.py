@@ -187,3 +187,37 @@ def test_nothing_to_generate_is_an_error(tmp_path, tiny_target_dir):
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.target={tiny_target_dir}"])
     with pytest.raises(StageError, match="nothing to generate"):
         gen_stage.run_generate(cfg)
+
+
+def test_synthesis_openers_start_each_candidate(tmp_path, tiny_tok):
+    """Candidate j of a round is the target continuing `openers[j % n]`: the opener is fed to the model after the
+    user header (not only pasted onto the text afterwards), and the accepted prompt is opener + continuation."""
+    from accelerate import PartialState
+
+    from data.chat import encode_text, user_header
+    from data.generation import Completion
+
+    openers = ["Write a Python function that", "Imagine you are"]
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "generate.synthesize=5", "generate.synth.round_size=4",
+                             "generate.synth.min_chars=3", f"generate.synth.openers={json.dumps(openers)}"])
+    seen = []
+
+    class Recorder:
+        name = "fake"
+
+        def generate(self, prompts, sampling, seed):
+            start = len(seen)
+            seen.extend(list(p) for p in prompts)
+            return [Completion(tiny_tok(f" case {start + j} sorted", add_special_tokens=False)["input_ids"], "stop")
+                    for j in range(len(prompts))]
+
+    convs, counts = gen_stage.synthesize_prompts(Recorder(), tiny_tok, cfg, tmp_path / "synth", PartialState())
+    header = user_header(tiny_tok)
+    assert len(seen) == 8  # two rounds of 4 candidates for 5 prompts
+    for j, ids in enumerate(seen):
+        assert ids == encode_text(tiny_tok, header + openers[j % 2])
+    texts = [c["messages"][0]["content"] for c in convs]
+    assert len(texts) == 5 and counts["accepted"] == 5
+    assert [t.startswith(openers[i % 2]) for i, t in enumerate(texts)] == [True] * 5
+    # openers are part of the generate plan: changing them refuses to reuse a finished synthesis
+    assert "openers" in cfg.generate.synth.model_dump()
