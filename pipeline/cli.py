@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--world-size", type=int, default=8, metavar="N", help="training ranks (GPUs), default 8")
             p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: from train.deepspeed, else 0 (DDP)")
             p.add_argument("--target-config", metavar="PATH", help="the target's HF config.json (when not local or bundled)")
-            p.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="GPU memory to check against")
+            p.add_argument("--gpu-memory", dest="gpu_memory_gib", type=float, default=80.0, metavar="GIB", help="GPU memory to check against")
             p.add_argument("--gpu-tflops", type=float, default=989.0, metavar="TF", help="peak bf16 TFLOP/s (H100 SXM: 989)")
             p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilization for GPU-hours")
             p.add_argument("--json", dest="json_out", metavar="PATH", help="also write the plan as JSON")
@@ -120,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"collect": {"verify": getattr(args, "verify", 0)}, "train": {"resume": getattr(args, "resume", False)},
                  "eval": {"drafter": getattr(args, "drafter", None)}, "export": {"drafter": getattr(args, "drafter", None)},
                  "import": {"source": getattr(args, "source", None)},
-                 "plan": {k: getattr(args, k, None) for k in ("tokens", "records", "prompt_tokens", "world_size",
-                                                              "zero_stage", "target_config", "json_out", "mfu")}
-                 | {"gpu_memory_gib": getattr(args, "gpu_memory", 80.0), "gpu_tflops": getattr(args, "gpu_tflops", 989.0)},
+                 "plan": {k: getattr(args, k, None) for k in ("tokens", "records", "prompt_tokens", "world_size", "zero_stage",
+                                                              "target_config", "json_out", "mfu", "gpu_memory_gib", "gpu_tflops")},
                  }.get(args.stage, {})
         _stage(args.stage)(cfg, **extra)
     except expected as exc:

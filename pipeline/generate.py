@@ -117,12 +117,11 @@ def synthesize_prompts(gen: Generator, tok, cfg: RunConfig, synth_dir: Path, sta
     """
     g = cfg.generate
     s = g.synth
-    header_text = user_header(tok, s.system_prompt)
-    openers = list(s.openers) or [""]
+    header = user_header(tok, s.system_prompt)
     # candidate j of every round continues opener j mod len(openers); the opener is part of the prompt text
-    starts = [encode_text(tok, header_text + op) for op in openers]
-    round_prompts = [starts[j % len(starts)] for j in range(s.round_size)]
+    openers = list(s.openers) or [""]
     round_openers = [openers[j % len(openers)] for j in range(s.round_size)]
+    round_prompts = [encode_text(tok, header + op) for op in round_openers]
     sampling = Sampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
     filt = PromptFilter(tok.get_added_vocab().keys(), s.min_chars, s.max_repeat_fraction)
     accepted: list[str] = []

@@ -33,3 +33,22 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _arithmetic_chats(n: int) -> list[dict]:
+    return [{"id": f"q{i}", "messages": [
+        {"role": "user", "content": f"Question {i}: what is {i} plus one?"},
+        {"role": "assistant", "content": f"The answer is {i + 1}. Because math is the sum of numbers and time."}]}
+        for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def write_chats():
+    """`write_chats(path, n)`: n one-turn arithmetic chats as a JSONL data source (the training tests' data)."""
+    import json
+
+    def write(path, n: int):
+        path.write_text("".join(json.dumps(r) + "\n" for r in _arithmetic_chats(n)))
+        return path
+
+    return write

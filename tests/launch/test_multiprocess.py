@@ -54,15 +54,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _records(n: int) -> list[dict]:
-    return [{"id": f"q{i}", "messages": [
-        {"role": "user", "content": f"Question {i}: what is {i} plus one?"},
-        {"role": "assistant", "content": f"The answer is {i + 1}. Because math is the sum of numbers and time."}]}
-        for i in range(n)]
-
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
+def workspace(tmp_path_factory, write_chats):
     """A tiny 4-layer target, prepared records and an fp32 feature store, plus the recipe every launch trains."""
     from pipeline.collect import run_collect
     from pipeline.config import load_config
@@ -71,7 +65,7 @@ def workspace(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("launch-ws")
     target = save_tiny_target(root / "target", seed=0, num_layers=4)
-    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(16)))
+    write_chats(root / "chat.jsonl", 16)
     recipe = {
         "name": "launch-test", "run_dir": str(root / "run"), "model": {"target": str(target)},
         "data": {"sources": [{"path": str(root / "chat.jsonl")}], "holdout_fraction": 0.25},

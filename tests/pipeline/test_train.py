@@ -23,20 +23,14 @@ from pipeline.tiny import save_tiny_target
 WORKER = Path(__file__).with_name("train_worker.py")
 
 
-def _records(n):
-    return [{"id": f"q{i}", "messages": [
-        {"role": "user", "content": f"Question {i}: what is {i} plus one?"},
-        {"role": "assistant", "content": f"The answer is {i + 1}. Because math is the sum of numbers and time."}]}
-        for i in range(n)]
-
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
+def workspace(tmp_path_factory, write_chats):
     """A tiny 4-layer target with prepared data and an fp32 feature store, shared by the tests (copied per test)."""
     root = tmp_path_factory.mktemp("train-ws")
     target = save_tiny_target(root / "target", seed=0, num_layers=4)
     data = root / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _records(16)))
+    write_chats(data, 16)
     base = [f"model.target={target}", f"data.sources=[{{path: {data}}}]", "data.holdout_fraction=0.25",
             "collect.aux_layer_ids=[1,2,3]", "collect.dtype=float32", "train.batch_tokens=160", "train.ttt_steps=3",
             "train.log_every=1", "train.eval_every=1000", "train.save_every=1000", "train.draft_vocab_size=384"]
@@ -59,10 +53,10 @@ def _losses(run_dir):
     return [(h["step"], h["train/loss"]) for h in m["history"] if "train/loss" in h]
 
 
-def test_overfits_a_small_set(workspace, tmp_path):
+def test_overfits_a_small_set(workspace, tmp_path, write_chats):
     root, base = workspace
     data = tmp_path / "six.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _records(6)))
+    write_chats(data, 6)
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", *base, f"data.sources=[{{path: {data}}}]",
                              "data.holdout_fraction=0", "train.batch_tokens=512", "train.ttt_steps=2", "train.lr=5e-3",
                              "train.epochs=300", "train.log_every=50", "train.temperature=0",
