@@ -3,6 +3,8 @@
 features and gathered head/embedding equal those of the whole model loaded plainly. Each rank writes its own
 result file (two ranks printing to one pipe can interleave their lines)."""
 
+import gc
+import os
 import sys
 from pathlib import Path
 
@@ -35,5 +37,14 @@ if __name__ == "__main__":
             aux_ref, final_ref = reference(ids)
             worst = max(worst, (aux - aux_ref).abs().max().item(), (final - final_ref).abs().max().item())
         lines.append(f"RESULT {label} rank={rank} weights_equal={same_weights} max_abs_diff={worst:.3g}\n")
+        del model, capture, head, embed
+        gc.collect()  # drop this load's ZeRO-3 gather handles / DTensors while the process group is alive
     (out / f"rank{rank}.txt").write_text("".join(lines))
+    dist.barrier()
     dist.destroy_process_group()
+    # Skip interpreter finalization: in CI a gloo worker thread occasionally outlived it and the rank aborted
+    # ("terminate called without an active exception") after its results were written (upstream teardown race,
+    # see pytorch/pytorch#179291). The results are on disk; the test is about them, not about teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
