@@ -128,18 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
     finally:
-        _close_process_group()
+        from pipeline.dist import close_process_group
+
+        close_process_group()
     return 0
-
-
-def _close_process_group() -> None:
-    """Under torchrun / accelerate launch, tear the process group down while the interpreter is fully alive (the
-    PyTorch docs ask for it; gloo worker threads left to interpreter finalization can abort the rank after its
-    work is done, which a SLURM job would report as a failure)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

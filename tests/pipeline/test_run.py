@@ -52,3 +52,17 @@ export: {{dtype: float32}}
     assert main(["run", str(recipe), f"run_dir={run}"]) == 0
     assert time.perf_counter() - started < first / 2
     assert json.loads((run / "eval" / "eval.json").read_text()) == ev
+
+
+def test_cli_closes_the_process_group_it_ran_in(tmp_path):
+    """Every stage ends with the process group destroyed (gloo threads left to interpreter teardown can abort a
+    rank after its work is done), on the error path too."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert main(["plan", "model.no_such_field=1"]) == 2  # a config error, after the group exists
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

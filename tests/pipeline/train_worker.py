@@ -6,6 +6,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from pipeline.config import load_config
+from pipeline.dist import close_process_group
 from pipeline.train import Trainer
 
 if __name__ == "__main__":
@@ -19,4 +20,5 @@ if __name__ == "__main__":
     if not all(p.numel() for p in params.values()):  # ZeRO-3 keeps only partitions locally: use the gathered copy
         params = {n: state[n].cpu().contiguous() for n in params}
     save_file(params, str(out / f"rank{rank}.safetensors"))
-    print(f"WORLD {trainer.accelerator.num_processes} {type(trainer.model).__name__}")
+    print(f"WORLD {trainer.accelerator.num_processes} {type(trainer.model).__name__}", flush=True)
+    close_process_group()  # as the CLI does at the end of every stage
