@@ -266,10 +266,12 @@ class DSparkDrafter(DrafterBase):
             cache.append(i, k, v)
 
     @torch.no_grad()
-    def draft_block(self, cache: KVCache, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor):
-        """One backbone pass for blocks anchored after the cached context. anchor_tokens / anchor_positions [B].
-        Returns (normed hidden [B, γ, H], unbiased logits [B, γ, D]); the bias is added slot by slot as tokens
-        are sampled (`heads`)."""
+    def draft_block(self, cache: KVCache, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
+                    context_mask: torch.Tensor | None = None):
+        """One backbone pass for blocks anchored after the cached context. anchor_tokens / anchor_positions [B];
+        context_mask [B, cached] marks the context slots each row may see (batched decoding keeps padding and
+        unverified slots as masked holes; None: all). Returns (normed hidden [B, γ, H], unbiased logits
+        [B, γ, D]); the bias is added slot by slot as tokens are sampled (`heads`)."""
         G = self.config.block_size
         block = self.block_inputs(anchor_tokens)
         positions = anchor_positions[:, None] + torch.arange(G, device=anchor_tokens.device)
@@ -277,7 +279,14 @@ class DSparkDrafter(DrafterBase):
         empty = torch.zeros(len(anchor_tokens), c.num_key_value_heads, 0, c.head_dim, dtype=self.fc.weight.dtype,
                             device=anchor_tokens.device)
         ctx_kv = [(cache.k[i], cache.v[i]) if cache.k[i] is not None else (empty, empty) for i in range(len(self.layers))]
-        h = self.backbone(block, positions, ctx_kv, None)
+        mask = None
+        if context_mask is not None:
+            if context_mask.shape != (len(anchor_tokens), cache.length()):
+                raise ValueError(f"context_mask has shape {tuple(context_mask.shape)}, expected "
+                                 f"{(len(anchor_tokens), cache.length())} (rows x cached context slots)")
+            whole_block = torch.ones(len(anchor_tokens), G, dtype=torch.bool, device=context_mask.device)
+            mask = torch.cat([context_mask, whole_block], dim=1)[:, None, None, :].to(anchor_tokens.device)
+        h = self.backbone(block, positions, ctx_kv, mask)
         return h, self.lm_head(h)
 
     # ------------------------------------------------------------------------------------ construction

@@ -150,6 +150,72 @@ class BatchedEagle3:
         self.pos += torch.tensor(accepted) + 1
 
 
+class BatchedDSpark:
+    """DSpark drafting for a batch. Each row's context keys/values are appended from the target's features of
+    every slot of a round, like the target's cache: the row's padding and its rejected slots stay as masked holes,
+    so a row drafts exactly what it would alone. Adaptive draft length (a threshold) is one-prompt only."""
+
+    def __init__(self, drafter, draft_length: int | None = None):
+        self.drafter = drafter.eval()
+        self.device = next(drafter.parameters()).device
+        self.ids = draft_to_target_ids(drafter.d2t).to(self.device)
+        self.vocab = drafter.config.vocab_size
+        self.aux_ids = drafter.config.aux_layer_ids
+        self.length = min(draft_length or drafter.config.block_size, drafter.config.block_size)
+
+    def _extend(self, feats, valid, positions):
+        self.drafter.extend_context(self.cache, feats.to(self.device), positions.to(self.device))
+        self.key_mask = torch.cat([self.key_mask, valid.to(self.device)], dim=1)
+
+    @torch.no_grad()
+    def start(self, prompts, firsts, feats, valid):
+        """The prompts' (left-padded) positions become context; each row's anchor is its first token."""
+        self.cache = self.drafter.new_cache()
+        self.key_mask = torch.zeros(valid.shape[0], 0, dtype=torch.bool, device=self.device)
+        self._extend(feats, valid, (valid.long().cumsum(1) - 1).clamp_min(0))
+        self.pos = torch.tensor([len(p) for p in prompts])  # anchor position per row
+        self.anchor = torch.tensor(list(firsts))
+
+    @torch.no_grad()
+    def propose(self, k: int, params: SamplingParams, gen):
+        k = min(k, self.length)
+        h, base = self.drafter.draft_block(self.cache, self.anchor.to(self.device), self.pos.to(self.device),
+                                           context_mask=self.key_mask)
+        B = h.shape[0]
+        drafts = torch.zeros(B, k, dtype=torch.long)
+        confs = torch.zeros(B, k)
+        qs = [] if not params.greedy else None
+        prev = self.anchor.to(self.device)
+        for i in range(k):
+            logits, conf = self.drafter.heads(h[:, i], prev, base[:, i])
+            if params.greedy:
+                x = self.ids[logits.argmax(-1)].cpu()
+            else:
+                qd = probs_from_logits(logits, params)
+                q = torch.zeros(B, self.vocab, dtype=qd.dtype, device=self.device)
+                q[:, self.ids] = qd
+                x = torch.tensor([sample(q[b], gen) for b in range(B)])
+                qs.append(q)
+            drafts[:, i] = x
+            confs[:, i] = self.drafter.calibrated(conf, i).cpu()
+            prev = x.to(self.device)
+        return drafts, (torch.stack(qs, 1) if qs else None), confs
+
+    @torch.no_grad()
+    def commit(self, drafts: torch.Tensor, accepted: list[int], news: list[int], feats: torch.Tensor):
+        """feats [B, k+1, F]: target features of this round's slots (the anchor, then the drafts); row b's first
+        1 + accepted[b] are verified and become context, the rest holes. The new anchors are `news`."""
+        k1 = feats.shape[1]
+        valid = torch.arange(k1)[None, :] < (torch.tensor(accepted) + 1)[:, None]
+        self._extend(feats, valid, self.pos[:, None] + torch.arange(k1)[None, :])
+        self.pos += torch.tensor(accepted) + 1
+        self.anchor = torch.tensor(list(news))
+
+
+BATCHED_DRAFTERS = {"eagle3": BatchedEagle3, "dspark": BatchedDSpark}
+"""The batched drafting of each trained drafter family."""
+
+
 def _prompt_lookup(history: Sequence[int], k: int, max_ngram: int) -> list[int]:
     from eval.proposers import PromptLookup
 
@@ -159,11 +225,14 @@ def _prompt_lookup(history: Sequence[int], k: int, max_ngram: int) -> list[int]:
 def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: SamplingParams, gamma: int,
                  max_new_tokens: int, stop_ids: Sequence[int] = (), generator: torch.Generator | None = None,
                  drafter=None, pad_id: int = 0, max_ngram: int = 3) -> list[DecodeResult]:
-    """Decode a batch of prompts with `kind` in none | prompt_lookup | eagle3 (then `drafter` is required)."""
+    """Decode a batch of prompts with `kind` in none | prompt_lookup | eagle3 | dspark (the last two need `drafter`).
+    `gamma` is the chain length; a DSpark drafter drafts min(gamma, its block size)."""
     stops = set(stop_ids)
     started = time.perf_counter()
-    eagle = BatchedEagle3(drafter) if kind == "eagle3" else None
-    target = BatchedHFTarget(model, eagle.aux_ids if eagle else None, pad_id)
+    if kind in BATCHED_DRAFTERS and drafter is None:
+        raise ValueError(f"decode_batch(kind={kind!r}) needs the trained drafter")
+    drafting = BATCHED_DRAFTERS[kind](drafter) if kind in BATCHED_DRAFTERS else None
+    target = BatchedHFTarget(model, drafting.aux_ids if drafting else None, pad_id)
     logits, feats, valid = target.prefill(prompts)
     B = len(prompts)
     firsts = [int(logits[b, -1].argmax()) if params.greedy else sample(probs_from_logits(logits[b, -1], params), generator)
@@ -171,18 +240,18 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: Sam
     results = [DecodeResult(tokens=[f]) for f in firsts]
     history = [list(p) + [f] for p, f in zip(prompts, firsts)]
     active = [len(r.tokens) < max_new_tokens and r.tokens[-1] not in stops for r in results]
-    if eagle:
-        eagle.start(prompts, firsts, feats, valid)
+    if drafting:
+        drafting.start(prompts, firsts, feats, valid)
     while any(active):
-        if eagle:
-            dr, q, confs = eagle.propose(gamma, params, generator)
+        if drafting:
+            dr, q, confs = drafting.propose(gamma, params, generator)
             drafts = [dr[b].tolist() if active[b] else [] for b in range(B)]
         elif kind == "prompt_lookup":
             drafts = [_prompt_lookup(history[b], gamma, max_ngram) if active[b] else [] for b in range(B)]
             q = None
         else:
             drafts, q = [[] for _ in range(B)], None
-        k = max(len(d) for d in drafts) if not eagle else gamma
+        k = max(len(d) for d in drafts) if not drafting else dr.shape[1]
         tokens = torch.full((B, k + 1), pad_id, dtype=torch.long)
         ok = torch.zeros(B, k + 1, dtype=torch.bool)
         for b in range(B):
@@ -207,12 +276,12 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: Sam
                 results[b].tokens += committed
                 history[b] += committed
                 results[b].rounds.append((len(d), n))
-                results[b].confidences.append(confs[b].tolist() if eagle else [])
+                results[b].confidences.append(confs[b].tolist() if drafting else [])
                 active[b] = len(results[b].tokens) < max_new_tokens and not (set(committed) & stops)
             else:
                 history[b].append(history[b][-1])  # the dummy token a finished row keeps feeding
-        if eagle:
-            eagle.commit(torch.tensor([d + [0] * (gamma - len(d)) for d in drafts]), accepted, news, feats)
+        if drafting:
+            drafting.commit(torch.tensor([d + [0] * (k - len(d)) for d in drafts]), accepted, news, feats)
     seconds = time.perf_counter() - started
     for r in results:
         cut = len(r.tokens)

@@ -80,9 +80,8 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
                 d = load_drafter(path).to(target.device, model.dtype)
             except (ValueError, KeyError, OSError) as exc:
                 raise StageError(f"cannot load the drafter in {path}: {exc}") from None
-            if d.name != "eagle3" and (e.batch_size > 1 or tree is not None):
-                raise StageError(f"the {d.name} drafter drafts chains one prompt at a time: set eval.batch_size=1 and "
-                                 "leave eval.tree_depth unset")
+            if d.name != "eagle3" and tree is not None:
+                raise StageError(f"the {d.name} drafter drafts chains (one block per round): leave eval.tree_depth unset")
             kwargs = {"draft_length": e.block_draft_length} if d.name == "dspark" else {}
             proposers[d.name] = PROPOSERS[d.name](d, e.confidence_threshold, **kwargs)
             drafter_info[d.name] = {"path": str(path), "family": d.name, "aux_layer_ids": d.config.aux_layer_ids}
@@ -112,11 +111,10 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
                 ids = [p["ids"] for p in batch]
                 if e.batch_size == 1:
                     runner = feature_targets.get(name, plain)
-                    gamma = proposer.length if name == "dspark" else e.draft_length
-                    res = [decode(runner, proposer, ids[0], params, gamma, e.max_new_tokens, stops, gen,
+                    res = [decode(runner, proposer, ids[0], params, gammas[name], e.max_new_tokens, stops, gen,
                                   tree=tree if hasattr(proposer, "propose_tree") else None)]
                 else:
-                    res = decode_batch(model, ids, name, params, e.draft_length, e.max_new_tokens, stops, gen,
+                    res = decode_batch(model, ids, name, params, gammas[name], e.max_new_tokens, stops, gen,
                                        drafter=getattr(proposer, "drafter", None), pad_id=tok.pad_token_id,
                                        max_ngram=e.prompt_lookup_max_ngram)
                 by[batch[0]["domain"]][name].extend(res)

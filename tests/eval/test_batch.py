@@ -34,13 +34,19 @@ def _eagle3(model):
     return Eagle3Drafter.from_target(model.config, [1, 2, 4], 200, model.get_input_embeddings().weight, d2t, t2d).double()
 
 
-@pytest.mark.parametrize("kind", ["none", "prompt_lookup", "eagle3"])
+def _dspark(model):
+    from tests.eval.test_dspark_exactness import _dspark_for
+
+    return _dspark_for(model, calibrated=True)
+
+
+@pytest.mark.parametrize("kind", ["none", "prompt_lookup", "eagle3", "dspark"])
 def test_batched_greedy_equals_plain_greedy(tiny64, kind):
     g = torch.Generator().manual_seed(7)
     # repetitive prompts make prompt lookup accept long runs in some rows and nothing in others
     prompts = [torch.randint(5, 380, (int(torch.randint(2, 15, (1,), generator=g)),), generator=g).tolist() * (1 + i % 2)
                for i in range(5)]
-    drafter = _eagle3(tiny64) if kind == "eagle3" else None
+    drafter = {"eagle3": _eagle3, "dspark": _dspark}[kind](tiny64) if kind in ("eagle3", "dspark") else None
     stops = [7, 11]
     results = decode_batch(tiny64, prompts, kind, SamplingParams(), 4, 24, stops, drafter=drafter)
     for p, r in zip(prompts, results):
@@ -71,3 +77,42 @@ def test_batched_sampling_runs(tiny64):
     res = decode_batch(tiny64, [[5, 6, 7], [9, 10, 11, 12, 13]], "eagle3", SamplingParams(1.0), 3, 20, generator=gen,
                        drafter=_eagle3(tiny64))
     assert [len(r.tokens) for r in res] == [20, 20] and all(1 <= r.tau <= 4 for r in res)
+
+
+def test_batched_dspark_drafts_what_each_row_drafts_alone(tiny64):
+    """Rows with ragged prompts accept different numbers of drafts per round (scripted here, so every pattern
+    occurs): each row's drafts and calibrated confidences equal the one-prompt proposer's, so padding and the
+    unverified slots of other rows' rounds never leak into a row's context."""
+    from eval.batch import BatchedDSpark
+    from eval.proposers import DSparkProposer
+
+    drafter = _dspark(tiny64)
+    width = len(drafter.config.aux_layer_ids) * drafter.config.target_hidden_size
+    g = torch.Generator().manual_seed(5)
+    prompts = [[5, 6, 7, 8, 9], [40, 41], [100, 101, 102, 100, 101, 102, 100]]
+    firsts = [17, 18, 19]
+    accepted_by_round = [[2, 0, 3], [0, 3, 1], [1, 1, 0], [3, 2, 2]]
+    P = max(len(p) for p in prompts)
+    feats = torch.randn(3, P, width, generator=g, dtype=torch.float64)
+    valid = torch.zeros(3, P, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        valid[b, P - len(p):] = True
+        feats[b, : P - len(p)] = 1e3  # padding: would swamp a row that attended to it
+    batched = BatchedDSpark(drafter, draft_length=3)
+    batched.start(prompts, firsts, feats, valid)
+    singles = [DSparkProposer(drafter, draft_length=3) for _ in prompts]
+    for b, p in enumerate(prompts):
+        singles[b].start(p, firsts[b], feats[b, P - len(p):])
+    for accepted in accepted_by_round:
+        drafts, q, confs = batched.propose(3, SamplingParams(), None)
+        assert q is None and drafts.shape == (3, 3)
+        news = torch.randint(5, 380, (3,), generator=g).tolist()
+        round_feats = torch.randn(3, 4, width, generator=g, dtype=torch.float64)
+        for b in range(3):
+            d, _, c = singles[b].propose([], 3, SamplingParams(), None)
+            assert d == drafts[b].tolist()
+            torch.testing.assert_close(torch.tensor(c, dtype=torch.float32), confs[b], rtol=0, atol=1e-6)
+            n = accepted[b]
+            round_feats[b, n + 1:] = 1e3  # unverified slots: must stay holes
+            singles[b].commit(d, n, news[b], round_feats[b, : n + 1])
+        batched.commit(drafts, accepted, news, round_feats)

@@ -52,6 +52,12 @@ export: {{dtype: float32}}
     assert main(["run", str(recipe), f"run_dir={run}"]) == 0
     assert time.perf_counter() - started < first / 2
     assert json.loads((run / "eval" / "eval.json").read_text()) == ev
+    # both trained drafters decode batches of prompts too (rows accepting different lengths per round)
+    assert main(["eval", str(recipe), f"run_dir={run}", "eval.batch_size=4", "eval.output=eval-batched"]) == 0
+    batched = json.loads((run / "eval-batched" / "eval.json").read_text())["runs"][0]
+    assert batched["greedy_divergence"]["dspark"]["of"] == 24
+    for family in ("eagle3", "dspark"):
+        assert batched["overall"][family]["tau"] > 1.0, (family, batched["overall"][family])
 
 
 def test_cli_closes_the_process_group_it_ran_in(tmp_path):
