@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
@@ -19,3 +23,33 @@ def close_process_group() -> None:
     work is done, which a SLURM job would report as a failure)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def single_writer(stage: Callable[..., Path]) -> Callable[..., Path]:
+    """For stages that write one artifact and compute little (prepare, export): under several processes the main
+    process runs the stage while the other ranks wait, and every rank returns its result. A failure on the main
+    process still releases the others, which then fail pointing at it (rather than waiting out a timeout)."""
+
+    @functools.wraps(stage)
+    def run(*args, **kwargs) -> Path:
+        state = dist_state()
+        if state.num_processes == 1:
+            return stage(*args, **kwargs)
+        result, error = None, None
+        if state.is_main_process:
+            try:
+                result = stage(*args, **kwargs)
+            except Exception as exc:  # re-raised below, after the other ranks are released
+                error = exc
+        outcome = [(str(result), None if error is None else f"{type(error).__name__}: {error}")]
+        dist.broadcast_object_list(outcome, src=0)
+        if error is not None:
+            raise error
+        path, failure = outcome[0]
+        if failure is not None:
+            from pipeline.errors import StageError
+
+            raise StageError(f"{stage.__name__} failed on the main process ({failure})")
+        return Path(path)
+
+    return run

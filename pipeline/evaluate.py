@@ -1,7 +1,8 @@
 """`draftsmith eval`: acceptance length per domain and real speedup, with the exact verifier.
 
 For every prompt, plain decoding, the prompt-lookup baseline and the trained drafter run back to back on
-the same target in the same process, so speedups compare like with like. Output: RUN_DIR/eval/eval.json
+the same target in the same process, so speedups compare like with like. Under torchrun / accelerate launch each
+rank decodes a share of the prompt batches on its own device and the main process merges and writes the results. Output: RUN_DIR/eval/eval.json
 (every number with its settings), report.md (also printed) and PNG plots.
 """
 
@@ -29,6 +30,7 @@ from eval.runner import HFTarget
 from eval.sampling import SamplingParams
 from pipeline.config import RunConfig
 from pipeline.console import console
+from pipeline.dist import dist_state
 from pipeline.errors import StageError
 from pipeline.target import load_target
 from pipeline.train import trained_drafter
@@ -94,18 +96,24 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     prompts = eval_prompts(cfg, tok)
     log.info("eval: %d prompts, drafters %s, temperatures %s", len(prompts), list(proposers), e.temperatures)
 
+    state = dist_state()
+    if state.num_processes > 1:
+        log.info("eval: %d ranks, each decoding every %d-th batch of prompts", state.num_processes, state.num_processes)
     runs = []
     for temperature in e.temperatures:
         params = SamplingParams(temperature, e.top_p, e.top_k)
-        gen = torch.Generator().manual_seed(e.seed)
+        # one stream per rank (rank 0 alone is the single-process run): sampled outputs depend on the rank count
+        gen = torch.Generator().manual_seed(e.seed + state.process_index)
         by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         diverged: Counter = Counter()
         by_domain: dict[str, list] = defaultdict(list)
         for p in prompts:
             by_domain[p["domain"]].append(p)
         batches = [group[i:i + e.batch_size] for group in by_domain.values() for i in range(0, len(group), e.batch_size)]
-        bar = tqdm(total=len(prompts), desc=f"eval T={temperature}", unit="prompt")
-        for batch in batches:
+        mine = batches[state.process_index::state.num_processes]
+        bar = tqdm(total=sum(len(b) for b in mine), desc=f"eval T={temperature}" + (f" (rank {state.process_index})"
+                   if state.num_processes > 1 else ""), unit="prompt")
+        for batch in mine:
             outputs = {}
             for name, proposer in proposers.items():
                 ids = [p["ids"] for p in batch]
@@ -124,6 +132,10 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
                     diverged[name] += sum(a != b for a, b in zip(toks, outputs["none"]))
             bar.update(len(batch))
         bar.close()
+        if state.num_processes > 1:
+            by, diverged = _gather_results(by, diverged)
+            if not state.is_main_process:
+                continue
         domains = {}
         for domain, per in by.items():
             row = {name: acceptance_stats(results, gammas[name]) for name, results in per.items()}
@@ -144,12 +156,14 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         runs.append(run)
 
     out = cfg.run_path / e.output
+    if not state.is_main_process:
+        return out  # the main process writes the merged results
     out.mkdir(parents=True, exist_ok=True)
     ev = {
         "target": target.identity,
         "drafters": drafter_info,
         "settings": {**e.model_dump(mode="json"), "device": str(target.device), "dtype": str(model.dtype), "draft_lengths": gammas,
-                     "prompts": len(prompts)},
+                     "prompts": len(prompts), "processes": state.num_processes},
         "runs": runs,
     }
     (out / "eval.json").write_text(json.dumps(ev, indent=2))
@@ -163,3 +177,20 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     write_manifest(out, "eval", target=target.identity, drafters=drafter_info, files=["eval.json", "report.md", *written])
     console.print(table, highlight=False)
     return out
+
+
+def _gather_results(by: dict[str, dict[str, list]], diverged: Counter) -> tuple[dict[str, dict[str, list]], Counter]:
+    """Every rank's decode results and greedy divergence counts, merged (the statistics are sums over prompts, so
+    the order in which ranks decoded them does not matter)."""
+    import torch.distributed as dist
+
+    shards: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, ({d: dict(per) for d, per in by.items()}, dict(diverged)))
+    merged: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    total: Counter = Counter()
+    for rank_by, rank_diverged in shards:
+        for domain, per in rank_by.items():
+            for name, results in per.items():
+                merged[domain][name].extend(results)
+        total.update(rank_diverged)
+    return merged, total

@@ -33,6 +33,7 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.registry import load_drafter
 from pipeline.config import RunConfig
 from pipeline.console import console
+from pipeline.dist import single_writer
 from pipeline.errors import StageError
 from pipeline.target import load_config_of, load_head_weights, resolve_target
 from pipeline.train import trained_drafter
@@ -308,6 +309,7 @@ def _readme(formats: dict[str, Path], cfg: RunConfig, models: dict[str, Any], ta
     return "\n".join(lines)
 
 
+@single_writer
 def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
     """Export the trained drafter(s): `drafter` (a directory), else every family of train.drafters."""
     x = cfg.export

@@ -16,6 +16,7 @@ from data.records import build_record, holdout_split
 from data.sources import iter_conversations
 from pipeline.config import RunConfig
 from pipeline.console import console, counts_table
+from pipeline.dist import single_writer
 from pipeline.errors import StageError
 from pipeline.target import load_target
 
@@ -38,6 +39,7 @@ def publish_dir(partial: Path, path: Path) -> None:
     partial.rename(path)
 
 
+@single_writer
 def run_prepare(cfg: RunConfig) -> Path:
     if not cfg.data.sources:
         raise StageError(

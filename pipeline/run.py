@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline.config import RunConfig
 from pipeline.console import console
+from pipeline.dist import dist_state
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,14 @@ def run_all(cfg: RunConfig) -> Path:
     from pipeline.train import run_train
 
     stages = plan_stages(cfg)
+    # under torchrun / accelerate launch every rank runs this loop (the stages share the work out); one prints
+    main_process = dist_state().is_main_process
     timings: dict[str, str] = {}
     started = time.perf_counter()
     upstream_ran = False  # once a stage really ran, later stages may not be skipped on their old outputs
     for i, stage in enumerate(stages, start=1):
-        console.rule(f"[bold]stage {i}/{len(stages)}: {stage}")
+        if main_process:
+            console.rule(f"[bold]stage {i}/{len(stages)}: {stage}")
         t0 = time.perf_counter()
         if stage == "prepare":
             if _prepared_matches(cfg):  # (first stage: nothing upstream)
@@ -111,6 +115,8 @@ def run_all(cfg: RunConfig) -> Path:
         timings[stage] = f"{time.perf_counter() - t0:.0f}s"
         upstream_ran = True
     total = time.perf_counter() - started
+    if not main_process:
+        return cfg.run_path
     console.rule("[bold]draftsmith run: done")
     console.print("stages: " + ", ".join(f"{s} {t}" for s, t in timings.items()) + f"; total {total:.0f}s", highlight=False)
     eval_json = cfg.run_path / cfg.eval.output / "eval.json"

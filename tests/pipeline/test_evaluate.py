@@ -1,7 +1,12 @@
 """`draftsmith eval` end to end on a tiny target: a trained drafter, prompt lookup and plain decoding,
-greedy and sampled, with eval.json / report.md / plots, and exactness visible in the report."""
+greedy and sampled, with eval.json / report.md / plots, and exactness visible in the report; the same eval
+shared over 2 processes, and export under that launch."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from pipeline.cli import main
 from pipeline.collect import run_collect
@@ -31,7 +36,7 @@ def test_eval_stage(tmp_path):
     run_train(cfg)
     assert main(["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0,1"]) == 0
     out = tmp_path / "run" / "eval"
-    ev = json.loads((out / "eval.json").read_text())
+    ev = first = json.loads((out / "eval.json").read_text())
     assert [r["temperature"] for r in ev["runs"]] == [0.0, 1.0]
     for run in ev["runs"]:
         assert set(run["domains"]) == {"math", "code"}
@@ -65,3 +70,20 @@ def test_eval_stage(tmp_path):
     assert e3["draft_ms_per_round"] > 0 and e3["verify_ms_per_pass"] > 0
     assert abs(e3["draft_cost_vs_target_pass"] - e3["draft_ms_per_round"] / e3["verify_ms_per_pass"]) < 1e-9
     assert json.loads((out / "eval.json").read_text()) == ev  # the first evaluation is untouched
+
+    # under torchrun (2 gloo ranks) each rank decodes a share of the batches; the merged greedy results are the
+    # single process's, count for count; then export (a single-writer stage) under the same launch
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
+    for stage in (["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.output=eval-2ranks"],
+                  ["export", str(recipe), f"run_dir={tmp_path / 'run'}", "export.dtype=float32"]):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               "-m", "pipeline.cli", *stage], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "run" / "eval-2ranks" / "eval.json").read_text())
+    assert two["settings"]["processes"] == 2
+    counts = ("prompts", "rounds", "drafted", "accepted", "target_passes", "new_tokens", "acceptance_by_position")
+    for domain, row in first["runs"][0]["domains"].items():  # the first evaluation's T = 0 run, same settings
+        for name, stats in row.items():
+            assert {k: two["runs"][0]["domains"][domain][name][k] for k in counts} == {k: stats[k] for k in counts}, (domain, name)
+    assert two["runs"][0]["greedy_divergence"] == first["runs"][0]["greedy_divergence"]
+    assert json.loads((tmp_path / "run" / "export" / "manifest.json").read_text())["kind"] == "export"

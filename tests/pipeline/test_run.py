@@ -3,13 +3,21 @@ answered on-policy), checking every artifact and that the trained drafter is acc
 target answers the prompts it was trained on; a second run skips what is complete."""
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from pipeline.cli import main
 from pipeline.tiny import save_tiny_target
 
 
-def test_run_end_to_end_and_resume(tmp_path):
+@pytest.fixture
+def tiny_recipe(tmp_path):
+    """A run recipe over a 4-layer tiny target: file prompts plus self-synthesis, both drafter families."""
     target = save_tiny_target(tmp_path / "target", seed=0, num_layers=4)
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"e{i}", "prompt": f"Question {i}: explain the sum of numbers.",
@@ -27,6 +35,11 @@ train: {{drafters: [eagle3, dspark], ttt_steps: 3, draft_vocab_size: 384, batch_
 eval: {{sources: [{{path: {prompts}, domain_field: topic}}], temperatures: [0.0], max_new_tokens: 32, draft_length: 3, batch_size: 1}}
 export: {{dtype: float32}}
 """)
+    return recipe
+
+
+def test_run_end_to_end_and_resume(tmp_path, tiny_recipe):
+    recipe = tiny_recipe
     run = tmp_path / "run"
     started = time.perf_counter()
     assert main(["run", str(recipe), f"run_dir={run}"]) == 0
@@ -72,3 +85,23 @@ def test_cli_closes_the_process_group_it_ran_in(tmp_path):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_run_under_torchrun_shares_the_stages_out(tmp_path, tiny_recipe):
+    """`torchrun --nproc_per_node 2 -m pipeline.cli run`: generation, collection, training and eval are shared over
+    the ranks, prepare and export are written once, one rank prints the summary; a second launch skips it all."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
+    run = tmp_path / "run2"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "pipeline.cli",
+               "run", str(tiny_recipe), f"run_dir={run}", "train.epochs=10"]
+    for attempt in ("first", "again"):
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        printed = proc.stdout + proc.stderr  # (the console writes to stderr)
+        assert printed.count("draftsmith run: done") == 1, attempt
+    assert "prepare skipped, generate complete, collect complete, train skipped, eval skipped" in " ".join(printed.split())
+    for artifact in ("prepared", "generated", "features", "train/eagle3", "train/dspark", "eval", "export"):
+        assert (run / artifact / "manifest.json").is_file(), artifact
+    ev = json.loads((run / "eval" / "eval.json").read_text())
+    assert ev["settings"]["processes"] == 2 and ev["runs"][0]["overall"]["none"]["prompts"] == 24
+    assert json.loads((run / "train" / "eagle3" / "manifest.json").read_text())["world_size"] == 2
