@@ -75,8 +75,9 @@ class BatchedHFTarget:
         self.next_pos[b] += kept
 
 
-class BatchedEagle3:
-    """EAGLE-3 drafting for a batch, with the drafter cache kept like the target's (holes + key mask)."""
+class BatchedDrafting:
+    """What batched drafting of trained drafters shares: the draft->target vocabulary map and drawing one token
+    per row."""
 
     def __init__(self, drafter):
         self.drafter = drafter.eval()
@@ -84,6 +85,20 @@ class BatchedEagle3:
         self.ids = draft_to_target_ids(drafter.d2t).to(self.device)
         self.vocab = drafter.config.vocab_size
         self.aux_ids = drafter.config.aux_layer_ids
+
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(target token ids [B] on the CPU, the full-vocabulary q [B, V] they were sampled from; None when greedy)
+        from draft-vocab logits [B, D]."""
+        if params.greedy:
+            return self.ids[logits.argmax(-1)].cpu(), None
+        qd = probs_from_logits(logits, params)
+        q = torch.zeros(logits.shape[0], self.vocab, dtype=qd.dtype, device=self.device)
+        q[:, self.ids] = qd
+        return torch.tensor([sample(q[b], gen) for b in range(logits.shape[0])]), q
+
+
+class BatchedEagle3(BatchedDrafting):
+    """EAGLE-3 drafting for a batch, with the drafter cache kept like the target's (holes + key mask)."""
 
     def _extend(self, feats, tokens, valid, positions):
         self.key_mask = torch.cat([self.key_mask, valid.to(self.device)], dim=1)
@@ -110,16 +125,11 @@ class BatchedEagle3:
         B = logits.shape[0]
         drafts = torch.zeros(B, k, dtype=torch.long)
         confs = torch.zeros(B, k)
-        qs = [] if not params.greedy else None
+        qs = []
         self.round_start = self.key_mask.shape[1]
         for i in range(k):
-            if params.greedy:
-                x = self.ids[logits.argmax(-1)].cpu()
-            else:
-                qd = probs_from_logits(logits, params)
-                q = torch.zeros(B, self.vocab, dtype=qd.dtype, device=self.device)
-                q[:, self.ids] = qd
-                x = torch.tensor([sample(q[b], gen) for b in range(B)])
+            x, q = self._draw(logits, params, gen)
+            if q is not None:
                 qs.append(q)
             drafts[:, i] = x
             confs[:, i] = torch.sigmoid(conf.float()).cpu()
@@ -150,17 +160,13 @@ class BatchedEagle3:
         self.pos += torch.tensor(accepted) + 1
 
 
-class BatchedDSpark:
+class BatchedDSpark(BatchedDrafting):
     """DSpark drafting for a batch. Each row's context keys/values are appended from the target's features of
     every slot of a round, like the target's cache: the row's padding and its rejected slots stay as masked holes,
     so a row drafts exactly what it would alone. Adaptive draft length (a threshold) is one-prompt only."""
 
     def __init__(self, drafter, draft_length: int | None = None):
-        self.drafter = drafter.eval()
-        self.device = next(drafter.parameters()).device
-        self.ids = draft_to_target_ids(drafter.d2t).to(self.device)
-        self.vocab = drafter.config.vocab_size
-        self.aux_ids = drafter.config.aux_layer_ids
+        super().__init__(drafter)
         self.length = min(draft_length or drafter.config.block_size, drafter.config.block_size)
 
     def _extend(self, feats, valid, positions):
@@ -184,17 +190,12 @@ class BatchedDSpark:
         B = h.shape[0]
         drafts = torch.zeros(B, k, dtype=torch.long)
         confs = torch.zeros(B, k)
-        qs = [] if not params.greedy else None
+        qs = []
         prev = self.anchor.to(self.device)
         for i in range(k):
             logits, conf = self.drafter.heads(h[:, i], prev, base[:, i])
-            if params.greedy:
-                x = self.ids[logits.argmax(-1)].cpu()
-            else:
-                qd = probs_from_logits(logits, params)
-                q = torch.zeros(B, self.vocab, dtype=qd.dtype, device=self.device)
-                q[:, self.ids] = qd
-                x = torch.tensor([sample(q[b], gen) for b in range(B)])
+            x, q = self._draw(logits, params, gen)
+            if q is not None:
                 qs.append(q)
             drafts[:, i] = x
             confs[:, i] = self.drafter.calibrated(conf, i).cpu()

@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.target import TargetError
 
     expected = (ConfigError, ArtifactError, ChatTemplateError, FeatureError, SourceError, StageError, TargetError)
+    succeeded = False
     try:
         overrides = list(args.overrides)
         if args.stage == "eval":
@@ -124,13 +125,14 @@ def main(argv: list[str] | None = None) -> int:
                                                               "target_config", "json_out", "mfu", "gpu_memory_gib", "gpu_tflops")},
                  }.get(args.stage, {})
         _stage(args.stage)(cfg, **extra)
+        succeeded = True
     except expected as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
     finally:
         from pipeline.dist import close_process_group
 
-        close_process_group()
+        close_process_group(succeeded)
     return 0
 
 

@@ -17,11 +17,15 @@ def dist_state() -> PartialState:
     return PartialState(cpu=not torch.cuda.is_available())
 
 
-def close_process_group() -> None:
-    """Under torchrun / accelerate launch, tear the process group down while the interpreter is fully alive (the
-    PyTorch docs ask for it; gloo worker threads left to interpreter finalization can abort the rank after its
-    work is done, which a SLURM job would report as a failure)."""
+def close_process_group(succeeded: bool = True) -> None:
+    """Under torchrun / accelerate launch, tear the process group down while the interpreter is fully alive, all
+    ranks together (the PyTorch docs ask for it). A rank that destroyed its gloo group and exited while a peer was
+    still working was seen to abort ("terminate called without an active exception") after its work was done,
+    which a SLURM job reports as a failure. After an error the barrier is skipped: the other ranks may never
+    reach it."""
     if dist.is_available() and dist.is_initialized():
+        if succeeded:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -4,7 +4,6 @@ features and gathered head/embedding equal those of the whole model loaded plain
 result file (two ranks printing to one pipe can interleave their lines)."""
 
 import gc
-import os
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 
 from data.features import FeatureCapture
 from pipeline.config import ModelConfig
+from pipeline.dist import close_process_group
 from pipeline.target import load_head_weights, load_model
 
 if __name__ == "__main__":
@@ -40,11 +40,4 @@ if __name__ == "__main__":
         del model, capture, head, embed
         gc.collect()  # drop this load's ZeRO-3 gather handles / DTensors while the process group is alive
     (out / f"rank{rank}.txt").write_text("".join(lines))
-    dist.barrier()
-    dist.destroy_process_group()
-    # Skip interpreter finalization: in CI a gloo worker thread occasionally outlived it and the rank aborted
-    # ("terminate called without an active exception") after its results were written (upstream teardown race,
-    # see pytorch/pytorch#179291). The results are on disk; the test is about them, not about teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    close_process_group()  # as the CLI does: every rank together (a rank exiting alone can abort in gloo)
