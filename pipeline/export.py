@@ -13,8 +13,9 @@ Formats (rules in ../shared/reference/engine-formats.md, re-checked against the 
   parameter names are already that layout; the embedding is left out (loaded from the target). SGLang has no
   DSpark drafter.
 EAGLE-3's confidence head is draftsmith's own (adaptive verification in `eval`) and is not exported; DSpark's
-is part of the layout. DSpark's fitted confidence temperatures stay in draftsmith's checkpoint (the layout has
-no field for them).
+is part of the layout. DSpark's fitted confidence temperatures have no field in the layout: they travel as the
+extra config key `draftsmith_confidence_temperatures` (speculators' configs keep unknown keys; engines ignore
+it), so `draftsmith import` restores the calibrated drafter.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data.artifacts import write_manifest
+from drafters.common import DrafterBase
+from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.registry import load_drafter
 from pipeline.config import RunConfig
@@ -196,6 +199,8 @@ def dspark_files(model, target_config, target_name: str, dtype: torch.dtype) -> 
         },
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if cfg.confidence_temperatures:
+        config["draftsmith_confidence_temperatures"] = list(cfg.confidence_temperatures)
     return tensors, config
 
 
@@ -208,16 +213,18 @@ def _write(directory: Path, tensors: dict[str, torch.Tensor], config: dict[str, 
 # ----------------------------------------------------------------------------------------- import
 
 
-def import_drafter(directory: str | Path, embed_weight: torch.Tensor | None = None) -> Eagle3Drafter:
-    """Load an exported directory (eagle3 or speculators layout, or a draftsmith checkpoint) as an Eagle3Drafter.
-    The eagle3 layout carries no embedding: pass the target's (`embed_weight`)."""
+def import_drafter(directory: str | Path, embed_weight: torch.Tensor | None = None) -> DrafterBase:
+    """Load an exported directory (eagle3, speculators or dspark layout, or a draftsmith checkpoint) as our drafter
+    class. The engine layouts carry no embedding: pass the target's (`embed_weight`)."""
     directory = Path(directory)
     raw = json.loads((directory / "config.json").read_text())
     if "drafter" in raw:
         return load_drafter(directory)
+    if raw.get("speculators_model_type") == "dspark":
+        return _load_weights(_dspark_from_config(directory, raw), directory, embed_weight, {})
     speculators = raw.get("speculators_model_type") == "eagle3"
     if not speculators and "LlamaForCausalLMEagle3" not in raw.get("architectures", []):
-        raise StageError(f"{directory}: not an EAGLE-3 export (architectures {raw.get('architectures')})")
+        raise StageError(f"{directory}: not an EAGLE-3 or DSpark export (architectures {raw.get('architectures')})")
     lc = raw["transformer_layer_config"] if speculators else raw
     cfg = Eagle3Config(
         vocab_size=lc["vocab_size"], draft_vocab_size=raw["draft_vocab_size"], hidden_size=lc["hidden_size"],
@@ -228,17 +235,45 @@ def import_drafter(directory: str | Path, embed_weight: torch.Tensor | None = No
         max_position_embeddings=lc["max_position_embeddings"], num_layers=lc["num_hidden_layers"],
         norm_before_residual=raw["norm_before_residual"], hidden_act=lc.get("hidden_act", "silu"),
     )
-    model = Eagle3Drafter(cfg)
     first = "layers.0" if speculators else "midlayer"
+    # the engines' names -> ours: the first layer is our `midlayer`, later ones shift down by one
+    renames = {first + ".": "midlayer."} | {f"layers.{j}.": f"layers.{j - 1}." for j in range(1, cfg.num_layers)}
+    return _load_weights(Eagle3Drafter(cfg), directory, embed_weight, renames)
+
+
+def _dspark_from_config(directory: Path, raw: dict[str, Any]) -> DSparkDrafter:
+    """Our DSpark drafter shaped by a speculators `dspark` config.json, refusing variants it does not compute."""
+    unsupported = {"sample_from_anchor": (raw.get("sample_from_anchor"), True),
+                   "markov_head_type": (raw.get("markov_head_type", "vanilla"), "vanilla"),
+                   "enable_confidence_head": (raw.get("enable_confidence_head", True), True),
+                   "confidence_head_with_markov": (raw.get("confidence_head_with_markov"), raw.get("markov_rank", 0) > 0)}
+    wrong = {k: have for k, (have, want) in unsupported.items() if have != want}
+    if wrong:
+        raise StageError(f"{directory}: a DSpark variant draftsmith does not compute ({wrong}); it needs "
+                         "sample_from_anchor=true, a vanilla Markov head and a confidence head reading it when present")
+    lc = raw["transformer_layer_config"]
+    cfg = DSparkConfig(
+        vocab_size=lc["vocab_size"], draft_vocab_size=raw["draft_vocab_size"], hidden_size=lc["hidden_size"],
+        target_hidden_size=raw["target_hidden_size"], num_attention_heads=lc["num_attention_heads"],
+        num_key_value_heads=lc["num_key_value_heads"], head_dim=lc.get("head_dim") or lc["hidden_size"] // lc["num_attention_heads"],
+        intermediate_size=lc["intermediate_size"], aux_layer_ids=raw["aux_hidden_state_layer_ids"],
+        mask_token_id=raw["mask_token_id"], block_size=raw["block_size"], num_layers=lc["num_hidden_layers"],
+        markov_rank=raw.get("markov_rank", 0), rms_norm_eps=lc["rms_norm_eps"], rope_theta=lc.get("rope_theta", 10000.0),
+        max_position_embeddings=lc["max_position_embeddings"], hidden_act=lc.get("hidden_act", "silu"),
+        confidence_temperatures=raw.get("draftsmith_confidence_temperatures"),
+        extra={"rope_scaling": lc["rope_scaling"]} if lc.get("rope_scaling") else {},
+    )
+    return DSparkDrafter(cfg)
+
+
+def _load_weights(model: DrafterBase, directory: Path, embed_weight: torch.Tensor | None,
+                  renames: dict[str, str]) -> DrafterBase:
+    """Fill `model` from DIRECTORY/model.safetensors (names renamed by prefix), the embedding from the target when
+    the export has none; refuses missing or unexpected tensors. Keeps the export's dtype."""
     ours = {}
     for key, value in load_file(str(directory / "model.safetensors")).items():
-        if key.startswith(first + "."):
-            ours["midlayer" + key[len(first):]] = value
-        elif key.startswith("layers."):
-            _, j, rest = key.split(".", 2)
-            ours[f"layers.{int(j) - 1}.{rest}"] = value
-        else:
-            ours[key] = value
+        prefix = next((p for p in renames if key.startswith(p)), None)
+        ours[renames[prefix] + key[len(prefix):] if prefix else key] = value
     if "embed_tokens.weight" not in ours:
         if embed_weight is None:
             raise StageError(f"{directory} has no embedding (engines share the target's); pass the target to import it")

@@ -172,7 +172,7 @@ def test_round_trip_is_bit_exact(target4, tmp_path, fmt, dtype, num_layers):
 def test_import_refuses_non_exports(tmp_path, target4):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(StageError, match="not an EAGLE-3 export"):
+    with pytest.raises(StageError, match="not an EAGLE-3 or DSpark export"):
         import_drafter(tmp_path / "x")
     _, path = _drafter(target4, tmp_path)
     out = _export(target4, tmp_path, path)
@@ -285,3 +285,36 @@ def test_dspark_export_is_the_speculators_dspark_layout_and_computes_the_same_bl
         conf = theirs.confidence_head(torch.cat([hidden, prev_emb], -1))
     torch.testing.assert_close(ours_logits, logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours_conf, conf, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dspark_round_trip_is_bit_exact_with_its_calibration(target4, tmp_path, dtype):
+    """export -> import of the dspark layout gives back the same drafter: the same block logits and confidences
+    (bit for bit at the export dtype) and the fitted confidence temperatures, carried as an extra config key."""
+    model, path = _dspark(target4, tmp_path)
+    model.config.confidence_temperatures = [0.5, 1.5, 2.0, 3.0]
+    model.save_pretrained(path)
+    out = _export(target4, tmp_path, path, f"export.dtype={dtype}", "train.drafters=[dspark]")
+    with pytest.raises(StageError, match="pass the target"):
+        import_drafter(out / "dspark")
+    again = import_drafter(out / "dspark", embed_weight=model.embed_tokens.weight.detach())
+    assert type(again).__name__ == "DSparkDrafter" and again.config.confidence_temperatures == [0.5, 1.5, 2.0, 3.0]
+    ref = model.to(getattr(torch, dtype)).eval()
+    again.eval()
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(1, 9, 4 * 64, generator=g).to(ref.fc.weight.dtype)
+    prev = torch.tensor([[17, 40, 41, 42]])
+    outputs = []
+    for m in (ref, again):
+        with torch.no_grad():
+            cache = m.new_cache()
+            m.extend_context(cache, aux, torch.arange(9)[None])
+            h, base = m.draft_block(cache, torch.tensor([17]), torch.tensor([9]))
+            logits, conf = m.heads(h, prev, base)
+            outputs.append((logits, m.calibrated(conf[0, 1], 1)))
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    raw = json.loads((out / "dspark" / "config.json").read_text())
+    raw["sample_from_anchor"] = False
+    (out / "dspark" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(StageError, match="sample_from_anchor"):
+        import_drafter(out / "dspark", embed_weight=model.embed_tokens.weight.detach())
