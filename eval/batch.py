@@ -124,7 +124,7 @@ class BatchedEagle3(BatchedDrafting):
         logits, conf, h = self.last
         B = logits.shape[0]
         drafts = torch.zeros(B, k, dtype=torch.long)
-        confs = torch.zeros(B, k)
+        confs = torch.zeros(B, k, dtype=torch.float64)  # as the one-prompt proposers keep them (Python floats)
         qs = []
         self.round_start = self.key_mask.shape[1]
         for i in range(k):
@@ -132,7 +132,7 @@ class BatchedEagle3(BatchedDrafting):
             if q is not None:
                 qs.append(q)
             drafts[:, i] = x
-            confs[:, i] = torch.sigmoid(conf.float()).cpu()
+            confs[:, i] = torch.sigmoid(conf).double().cpu()
             if i + 1 < k:
                 self.key_mask = torch.cat([self.key_mask, torch.ones(B, 1, dtype=torch.bool, device=self.device)], 1)
                 out, cf, h = self.drafter.decode(h, x[:, None].to(self.device), (self.pos + i)[:, None].to(self.device),
@@ -189,7 +189,7 @@ class BatchedDSpark(BatchedDrafting):
                                            context_mask=self.key_mask)
         B = h.shape[0]
         drafts = torch.zeros(B, k, dtype=torch.long)
-        confs = torch.zeros(B, k)
+        confs = torch.zeros(B, k, dtype=torch.float64)  # as the one-prompt proposers keep them (Python floats)
         qs = []
         prev = self.anchor.to(self.device)
         for i in range(k):
@@ -223,11 +223,25 @@ def _prompt_lookup(history: Sequence[int], k: int, max_ngram: int) -> list[int]:
     return PromptLookup(max_ngram).propose(history, k, None, None)[0]
 
 
+def adaptive_lengths(confs: torch.Tensor, threshold: float | None) -> list[int]:
+    """Per row of confidences [B, k]: how many drafts to keep under adaptive length. Position i >= 1 is dropped, with
+    all after it, once the running survival c_0 * ... * c_i falls below the threshold; c_i is read before x_i is
+    drawn, so keeping x_i never depends on x_i (the one-prompt proposers' rule). None: keep all k."""
+    B, k = confs.shape
+    if threshold is None:
+        return [k] * B
+    below = torch.cumprod(confs.double(), dim=1) < threshold
+    below[:, 0] = False  # the first draft is always proposed
+    return [int(row.nonzero()[0]) if row.any() else k for row in below]
+
+
 def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: SamplingParams, gamma: int,
                  max_new_tokens: int, stop_ids: Sequence[int] = (), generator: torch.Generator | None = None,
-                 drafter=None, pad_id: int = 0, max_ngram: int = 3) -> list[DecodeResult]:
+                 drafter=None, pad_id: int = 0, max_ngram: int = 3,
+                 confidence_threshold: float | None = None) -> list[DecodeResult]:
     """Decode a batch of prompts with `kind` in none | prompt_lookup | eagle3 | dspark (the last two need `drafter`).
-    `gamma` is the chain length; a DSpark drafter drafts min(gamma, its block size)."""
+    `gamma` is the chain length; a DSpark drafter drafts min(gamma, its block size). With `confidence_threshold`,
+    each row of a trained drafter keeps its drafts only while their running confidence stays above it."""
     stops = set(stop_ids)
     started = time.perf_counter()
     if kind in BATCHED_DRAFTERS and drafter is None:
@@ -246,13 +260,15 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: Sam
     while any(active):
         if drafting:
             dr, q, confs = drafting.propose(gamma, params, generator)
-            drafts = [dr[b].tolist() if active[b] else [] for b in range(B)]
+            # the whole batch drafts every position; a row's drafts past its adaptive length are dropped unverified
+            keep = adaptive_lengths(confs, confidence_threshold)
+            drafts = [dr[b, : keep[b]].tolist() if active[b] else [] for b in range(B)]
         elif kind == "prompt_lookup":
             drafts = [_prompt_lookup(history[b], gamma, max_ngram) if active[b] else [] for b in range(B)]
             q = None
         else:
             drafts, q = [[] for _ in range(B)], None
-        k = max(len(d) for d in drafts) if not drafting else dr.shape[1]
+        k = max(len(d) for d in drafts)
         tokens = torch.full((B, k + 1), pad_id, dtype=torch.long)
         ok = torch.zeros(B, k + 1, dtype=torch.bool)
         for b in range(B):
@@ -277,7 +293,7 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: Sam
                 results[b].tokens += committed
                 history[b] += committed
                 results[b].rounds.append((len(d), n))
-                results[b].confidences.append(confs[b].tolist() if drafting else [])
+                results[b].confidences.append(confs[b, : len(d)].tolist() if drafting else [])
                 active[b] = len(results[b].tokens) < max_new_tokens and not (set(committed) & stops)
             else:
                 history[b].append(history[b][-1])  # the dummy token a finished row keeps feeding

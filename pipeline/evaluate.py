@@ -71,8 +71,6 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     if e.tree_depth is not None and e.batch_size > 1:
         raise StageError("eval.tree_depth (tree drafting) runs one prompt at a time: set eval.batch_size=1")
     tree = TreeSpec(e.tree_depth, e.tree_top_k, e.tree_nodes) if e.tree_depth else None
-    if e.confidence_threshold is not None and e.batch_size > 1:
-        raise StageError("eval.confidence_threshold (adaptive draft length) runs one prompt at a time: set eval.batch_size=1")
     if "trained" in e.drafters:
         explicit = drafter or e.drafter_path
         paths = ([trained_drafter(cfg, target.identity, explicit)] if explicit else
@@ -124,7 +122,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
                 else:
                     res = decode_batch(model, ids, name, params, gammas[name], e.max_new_tokens, stops, gen,
                                        drafter=getattr(proposer, "drafter", None), pad_id=tok.pad_token_id,
-                                       max_ngram=e.prompt_lookup_max_ngram)
+                                       max_ngram=e.prompt_lookup_max_ngram, confidence_threshold=e.confidence_threshold)
                 by[batch[0]["domain"]][name].extend(res)
                 outputs[name] = [r.tokens for r in res]
             if params.greedy:

@@ -57,7 +57,11 @@ def run_all(cfg: RunConfig) -> Path:
 
     stages = plan_stages(cfg)
     # under torchrun / accelerate launch every rank runs this loop (the stages share the work out); one prints
-    main_process = dist_state().is_main_process
+    state = dist_state()
+    main_process = state.is_main_process
+    # Each stage first reads what the run directory holds, then all ranks meet, then the stage runs: otherwise a
+    # slow rank could read outputs the main process has just written and take another branch (and collective).
+    agreed = state.wait_for_everyone
     timings: dict[str, str] = {}
     started = time.perf_counter()
     upstream_ran = False  # once a stage really ran, later stages may not be skipped on their old outputs
@@ -66,19 +70,23 @@ def run_all(cfg: RunConfig) -> Path:
             console.rule(f"[bold]stage {i}/{len(stages)}: {stage}")
         t0 = time.perf_counter()
         if stage == "prepare":
-            if _prepared_matches(cfg):  # (first stage: nothing upstream)
+            matches = _prepared_matches(cfg)  # (first stage: nothing upstream)
+            agreed()
+            if matches:
                 log.info("prepare: %s matches this config, skipped", cfg.run_path / "prepared")
                 timings[stage] = "skipped"
                 continue
             run_prepare(cfg)
         elif stage == "generate":
             done = (cfg.run_path / "generated" / "manifest.json").is_file()
+            agreed()
             run_generate(cfg)  # resumes, or returns at once when complete (and refuses other settings)
             if done:
                 timings[stage] = "complete"
                 continue
         elif stage == "collect":
             done = (cfg.run_path / "features" / "manifest.json").is_file()
+            agreed()
             run_collect(cfg)
             if done:
                 timings[stage] = "complete"
@@ -98,14 +106,17 @@ def run_all(cfg: RunConfig) -> Path:
                     raise StageError(f"{out} holds a finished training run made with other settings or older data; "
                                      "delete it (or use another run_dir) to retrain")
                 todo.append(family)
+            resume = any((train_dir(cfg, f) / "checkpoints").is_dir() and any((train_dir(cfg, f) / "checkpoints").glob("step-*"))
+                         for f in todo)
+            agreed()
             if not todo:
                 timings[stage] = "skipped"
                 continue
-            resume = any((train_dir(cfg, f) / "checkpoints").is_dir() and any((train_dir(cfg, f) / "checkpoints").glob("step-*"))
-                         for f in todo)
             run_train(cfg, resume=resume, families=todo)
         elif stage == "eval":
-            if _eval_matches(cfg) and not upstream_ran:
+            matches = _eval_matches(cfg) and not upstream_ran
+            agreed()
+            if matches:
                 log.info("eval: %s matches this config, skipped", cfg.run_path / "eval")
                 timings[stage] = "skipped"
                 continue

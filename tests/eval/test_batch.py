@@ -58,18 +58,36 @@ def test_batched_greedy_equals_plain_greedy(tiny64, kind):
         assert len({tuple(d for d, _ in r.rounds) for r in results}) > 1 and any(d for r in results for d, _ in r.rounds)
 
 
-def test_batched_matches_unbatched_acceptance(tiny64):
-    """Same rounds (drafted, accepted) per row as the one-prompt engine, for the trained-drafter path."""
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+@pytest.mark.parametrize("threshold", [None, 0.3])
+def test_batched_matches_unbatched_acceptance(tiny64, kind, threshold):
+    """Same rounds (drafted, accepted) and confidences per row as the one-prompt engine, for both trained
+    families, with and without adaptive draft length."""
     from eval.engine import decode
-    from eval.proposers import Eagle3Proposer
+    from eval.proposers import PROPOSERS
     from eval.runner import HFTarget
 
-    drafter = _eagle3(tiny64)
+    drafter = {"eagle3": _eagle3, "dspark": _dspark}[kind](tiny64)
     prompts = [[5, 6, 7, 8, 9], [40, 41], [100, 101, 102, 100, 101, 102, 100]]
-    batched = decode_batch(tiny64, prompts, "eagle3", SamplingParams(), 3, 15, drafter=drafter)
+    batched = decode_batch(tiny64, prompts, kind, SamplingParams(), 3, 15, drafter=drafter, confidence_threshold=threshold)
     for p, rb in zip(prompts, batched):
-        r1 = decode(HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids), Eagle3Proposer(drafter), p, SamplingParams(), 3, 15)
+        proposer = PROPOSERS[kind](drafter, threshold, **({"draft_length": 3} if kind == "dspark" else {}))
+        r1 = decode(HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids), proposer, p, SamplingParams(), 3, 15)
         assert rb.tokens == r1.tokens and rb.rounds == r1.rounds
+        assert [len(c) for c in rb.confidences] == [len(c) for c in r1.confidences]
+        for cb, c1 in zip(rb.confidences, r1.confidences):  # equal up to float64 rounding of other batch shapes
+            torch.testing.assert_close(torch.tensor(cb), torch.tensor(c1), rtol=0, atol=1e-12)
+    drafted = [d for r in batched for d, _ in r.rounds]
+    if threshold is not None:  # adaptive length really cut some rounds short, and not all to one length
+        assert min(drafted) < 3 and len(set(drafted)) > 1, drafted
+
+
+def test_adaptive_lengths_keep_drafts_while_the_running_confidence_holds():
+    from eval.batch import adaptive_lengths
+
+    confs = torch.tensor([[0.9, 0.5, 0.8], [0.3, 0.9, 0.9], [0.99, 0.99, 0.99]])
+    assert adaptive_lengths(confs, 0.4) == [2, 1, 3]  # 0.9*0.5*0.8 = 0.36 < 0.4; 0.3 drafts the first anyway
+    assert adaptive_lengths(confs, None) == [3, 3, 3]
 
 
 def test_batched_sampling_runs(tiny64):
@@ -111,7 +129,7 @@ def test_batched_dspark_drafts_what_each_row_drafts_alone(tiny64):
         for b in range(3):
             d, _, c = singles[b].propose([], 3, SamplingParams(), None)
             assert d == drafts[b].tolist()
-            torch.testing.assert_close(torch.tensor(c, dtype=torch.float32), confs[b], rtol=0, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(c, dtype=torch.float64), confs[b], rtol=0, atol=1e-12)
             n = accepted[b]
             round_feats[b, n + 1:] = 1e3  # unverified slots: must stay holes
             singles[b].commit(d, n, news[b], round_feats[b, : n + 1])

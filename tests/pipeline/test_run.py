@@ -65,8 +65,10 @@ def test_run_end_to_end_and_resume(tmp_path, tiny_recipe):
     assert main(["run", str(recipe), f"run_dir={run}"]) == 0
     assert time.perf_counter() - started < first / 2
     assert json.loads((run / "eval" / "eval.json").read_text()) == ev
-    # both trained drafters decode batches of prompts too (rows accepting different lengths per round)
-    assert main(["eval", str(recipe), f"run_dir={run}", "eval.batch_size=4", "eval.output=eval-batched"]) == 0
+    # both trained drafters decode batches of prompts too (rows accepting different lengths per round), here with
+    # adaptive draft length (rows drafting different lengths per round)
+    assert main(["eval", str(recipe), f"run_dir={run}", "eval.batch_size=4", "eval.output=eval-batched",
+                 "eval.confidence_threshold=0.2"]) == 0
     batched = json.loads((run / "eval-batched" / "eval.json").read_text())["runs"][0]
     assert batched["greedy_divergence"]["dspark"]["of"] == 24
     for family in ("eagle3", "dspark"):
