@@ -163,11 +163,7 @@ class BatchedEagle3(BatchedDrafting):
 class BatchedDSpark(BatchedDrafting):
     """DSpark drafting for a batch. Each row's context keys/values are appended from the target's features of
     every slot of a round, like the target's cache: the row's padding and its rejected slots stay as masked holes,
-    so a row drafts exactly what it would alone. Adaptive draft length (a threshold) is one-prompt only."""
-
-    def __init__(self, drafter, draft_length: int | None = None):
-        super().__init__(drafter)
-        self.length = min(draft_length or drafter.config.block_size, drafter.config.block_size)
+    so a row drafts exactly what it would alone. A round drafts min(k, block size) tokens per row."""
 
     def _extend(self, feats, valid, positions):
         self.drafter.extend_context(self.cache, feats.to(self.device), positions.to(self.device))
@@ -184,7 +180,7 @@ class BatchedDSpark(BatchedDrafting):
 
     @torch.no_grad()
     def propose(self, k: int, params: SamplingParams, gen):
-        k = min(k, self.length)
+        k = min(k, self.drafter.config.block_size)
         h, base = self.drafter.draft_block(self.cache, self.anchor.to(self.device), self.pos.to(self.device),
                                            context_mask=self.key_mask)
         B = h.shape[0]

@@ -2,8 +2,8 @@
 
 For every prompt, plain decoding, the prompt-lookup baseline and the trained drafter run back to back on
 the same target in the same process, so speedups compare like with like. Under torchrun / accelerate launch each
-rank decodes a share of the prompt batches on its own device and the main process merges and writes the results. Output: RUN_DIR/eval/eval.json
-(every number with its settings), report.md (also printed) and PNG plots.
+rank decodes a share of the prompt batches on its own device and the main process merges and writes the results.
+Output: RUN_DIR/eval/eval.json (every number with its settings), report.md (also printed) and PNG plots.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_batched_dspark_drafts_what_each_row_drafts_alone(tiny64):
     for b, p in enumerate(prompts):
         valid[b, P - len(p):] = True
         feats[b, : P - len(p)] = 1e3  # padding: would swamp a row that attended to it
-    batched = BatchedDSpark(drafter, draft_length=3)
+    batched = BatchedDSpark(drafter)
     batched.start(prompts, firsts, feats, valid)
     singles = [DSparkProposer(drafter, draft_length=3) for _ in prompts]
     for b, p in enumerate(prompts):

@@ -3,7 +3,6 @@
 features and gathered head/embedding equal those of the whole model loaded plainly. Each rank writes its own
 result file (two ranks printing to one pipe can interleave their lines)."""
 
-import gc
 import sys
 from pathlib import Path
 
@@ -37,7 +36,5 @@ if __name__ == "__main__":
             aux_ref, final_ref = reference(ids)
             worst = max(worst, (aux - aux_ref).abs().max().item(), (final - final_ref).abs().max().item())
         lines.append(f"RESULT {label} rank={rank} weights_equal={same_weights} max_abs_diff={worst:.3g}\n")
-        del model, capture, head, embed
-        gc.collect()  # drop this load's ZeRO-3 gather handles / DTensors while the process group is alive
     (out / f"rank{rank}.txt").write_text("".join(lines))
     close_process_group()  # as the CLI does: every rank together (a rank exiting alone can abort in gloo)
