@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
 from pipeline.config import SourceConfig
+
+log = logging.getLogger(__name__)
 
 
 class SourceError(ValueError):
@@ -56,9 +59,23 @@ def _package_file(dist: str, suffix: str) -> Path:
 
 
 def _read_jsonl(path: Path, counts: Counter) -> Iterator[dict[str, Any]]:
+    """Records of a JSON Lines file. A line that is not UTF-8 or not a JSON object is a counted skip
+    (`not_utf8` / `bad_json`); the first undecodable line is logged with its line number and byte offset."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    offset = 0  # of the line's first byte (in the uncompressed stream for .gz)
+    with opener(path, "rb") as f:
+        if f.peek(2)[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            raise SourceError(f"{path}: the file is UTF-16 (it starts with a UTF-16 byte order mark); re-encode it as UTF-8")
+        for lineno, raw in enumerate(f, 1):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                if not counts["not_utf8"]:
+                    log.warning("%s: line %d is not UTF-8 (byte offset %d: %s); such lines are skipped and counted "
+                                "as not_utf8", path, lineno, start + exc.start, exc.reason)
+                counts["not_utf8"] += 1
+                continue
             if not line.strip():
                 continue
             try:
@@ -72,6 +89,17 @@ def _read_jsonl(path: Path, counts: Counter) -> Iterator[dict[str, Any]]:
             yield rec
 
 
+def _read_text(path: Path) -> str:
+    """A whole file as UTF-8 text, or a SourceError naming the file and the byte offset that is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise SourceError(f"{path}: not UTF-8 text at byte offset {exc.start} (line {line}: {exc.reason}); "
+                          "re-encode the file as UTF-8") from None
+
+
 def _read_local(path: Path, counts: Counter) -> Iterator[dict[str, Any]]:
     if not path.is_file():
         raise SourceError(f"data file not found: {path}")
@@ -80,7 +108,7 @@ def _read_local(path: Path, counts: Counter) -> Iterator[dict[str, Any]]:
         yield from _read_jsonl(path, counts)
     elif name.endswith(".json"):
         try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
+            obj = json.loads(_read_text(path))
         except json.JSONDecodeError as exc:
             raise SourceError(f"{path}: not valid JSON ({exc})") from exc
         if isinstance(obj, dict):

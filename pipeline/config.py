@@ -31,7 +31,8 @@ class ModelConfig(Section):
     gguf_file: str | None = None
     """File name inside a hub repo / directory that holds GGUF weights (a direct .gguf path needs nothing here)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
-    """Compute dtype. `auto`: bfloat16 on CUDA, float32 on CPU."""
+    """Compute dtype. `auto`: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 or AMX), float32 on
+    other CPUs (where bf16 runs ~30x slower); the choice and its reason are logged (pipeline/precision.py)."""
     device: str = "auto"
     """`auto` (CUDA when present, else CPU), `cpu`, `cuda`, or `cuda:N`."""
     chat_template: str | None = None
@@ -277,7 +278,8 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = False
     """Recompute each TTT step's layers in backward (less memory, ~30% more compute)."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    """`auto`: bf16 on CUDA, fp32 on CPU."""
+    """bf16 autocast or none (`no`: fp32). `auto`: bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 or
+    AMX), `no` on other CPUs; the choice and its reason are logged."""
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -77,7 +77,7 @@ def run_prepare(cfg: RunConfig) -> Path:
             split_counts[split] += 1
             buffers[split].append(rec)
             flush(split)
-        for reason in ("bad_json", "malformed", "unknown_schema", "empty", "empty_message", "bad_turn_order",
+        for reason in ("not_utf8", "bad_json", "malformed", "unknown_schema", "empty", "empty_message", "bad_turn_order",
                        "unsupported_role", "non_text_content", "duplicate_id", "template_error",
                        "overlong_skipped", "no_supervised_tokens"):
             if counts[reason]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pipeline.config import ModelConfig
+from pipeline.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +156,6 @@ def resolve_target(cfg: ModelConfig) -> TargetSpec:
 
 # ------------------------------------------------------------------------------------ device / dtype
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         # Under accelerate/torchrun each rank gets its own GPU (cuda:LOCAL_RANK); on CPU all share "cpu".
@@ -168,12 +166,6 @@ def pick_device(name: str = "auto") -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise TargetError(f"model.device={name!r} but CUDA is not available on this machine")
     return dev
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 # ------------------------------------------------------------------------------------------- loading
@@ -320,7 +312,7 @@ def load_model(cfg: ModelConfig, spec: TargetSpec | None = None, device: torch.d
     spec = spec or resolve_target(cfg)
     mode = sharding_mode(cfg, spec, shard)
     device = device or pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device)
     kwargs: dict[str, Any] = {"dtype": dtype}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation

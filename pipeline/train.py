@@ -37,6 +37,7 @@ from pipeline.collect import input_records
 from pipeline.config import RunConfig
 from pipeline.console import console
 from pipeline.errors import StageError
+from pipeline.precision import resolve_mixed_precision
 from pipeline.target import load_config_of, load_head_weights, load_target, resolve_target
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,7 @@ def _accelerator(cfg: RunConfig, out: Path):
     from accelerate.utils import DeepSpeedPlugin
 
     cuda = torch.cuda.is_available()
-    mp = cfg.train.mixed_precision
-    mp = ("bf16" if cuda else "no") if mp == "auto" else mp
+    mp = resolve_mixed_precision(cfg.train.mixed_precision, cuda)
     kwargs: dict[str, Any] = {}
     ds_path = cfg.train.deepspeed
     if not ds_path and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":

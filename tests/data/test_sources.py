@@ -116,3 +116,37 @@ def test_builtin_humaneval_has_164_prompts():
     assert len(convs) == 164
     assert convs[0]["id"] == "humaneval:HumanEval/0" and "def has_close_elements" in convs[0]["messages"][0]["content"]
     assert {c["domain"] for c in convs} == {"humaneval"}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_lines_that_are_not_utf8_are_counted_skips_named_by_line_and_offset(tmp_path, caplog, suffix):
+    import gzip
+
+    good = [json.dumps(r).encode() + b"\n" for r in GOOD[:2]]
+    latin1 = json.dumps({"id": "l1", "prompt": "caf\u00e9"}, ensure_ascii=False).encode("latin-1") + b"\n"
+    data = b"\xef\xbb\xbf" + good[0] + latin1 + good[1] + b"\xff\xfe\n"  # a BOM, then two bad lines
+    path = tmp_path / f"mixed{suffix}"
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    counts = Counter()
+    kept = list(iter_conversations(SourceConfig(path=str(path)), counts))
+    assert [c["id"].split(":")[-1] for c in kept] == ["m1", "s1"]
+    assert counts["not_utf8"] == 2 and counts["bad_json"] == 0
+    offset = 3 + len(good[0]) + latin1.index(b"\xe9")
+    assert any(f"line 2 is not UTF-8 (byte offset {offset}" in r.getMessage() and str(path) in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_json_file_that_is_not_utf8_is_a_named_error(tmp_path):
+    path = tmp_path / "latin1.json"
+    text = json.dumps([{"id": "a", "prompt": "ok"}, {"id": "b", "prompt": "na\u00efve"}], ensure_ascii=False, indent=1)
+    path.write_bytes(text.encode("latin-1"))
+    offset, line = text.encode("latin-1").index(b"\xef"), text[: text.index("\u00ef")].count("\n") + 1
+    with pytest.raises(SourceError, match=rf"latin1.json: not UTF-8 text at byte offset {offset} \(line {line}:"):
+        list(iter_conversations(SourceConfig(path=str(path)), Counter()))
+
+
+def test_a_utf16_file_is_a_named_error(tmp_path):
+    path = tmp_path / "utf16.jsonl"
+    path.write_bytes((json.dumps(GOOD[2]) + "\n").encode("utf-16"))
+    with pytest.raises(SourceError, match="utf16.jsonl: the file is UTF-16"):
+        list(iter_conversations(SourceConfig(path=str(path)), Counter()))

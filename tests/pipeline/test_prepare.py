@@ -110,3 +110,17 @@ def test_cli_prepare_and_errors(tmp_path, tiny_target_dir, capsys):
     assert "target" in (tmp_path / "run" / "config.yaml").read_text()  # resolved config saved in the run dir
     assert main(["prepare", str(recipe), "data.max_lenght=5"]) == 2
     assert "data.max_lenght" in capsys.readouterr().err
+
+
+def test_undecodable_input_is_reported_not_a_traceback(tmp_path, tiny_target_dir, capsys):
+    """A Latin-1 file (every line undecodable as UTF-8) through the CLI: a counted skip per record, then the
+    'no usable record' error with the counts, exit status 1, and no partial artifact."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes("".join(json.dumps({"id": f"r{i}", "prompt": f"caf\u00e9 {i}"}, ensure_ascii=False) + "\n"
+                             for i in range(3)).encode("latin-1"))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{target: {tiny_target_dir}}}\ndata: {{sources: [{{path: {path}}}]}}\n")
+    assert main(["prepare", str(recipe), f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "no usable record" in err and "'not_utf8':" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "prepared" / "manifest.json").exists()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.target import TargetError, load_target, pick_dtype, resolve_target
+from pipeline.target import TargetError, load_target, resolve_target
 
 
 def test_alias_resolves_to_the_packaged_gguf():
@@ -36,12 +36,6 @@ def test_hub_ids_and_bad_paths():
 def test_dir_without_config_is_refused(tmp_path):
     with pytest.raises(TargetError, match="no config.json"):
         resolve_target(ModelConfig(target=str(tmp_path)))
-
-
-def test_dtype_choice():
-    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
-    assert pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert pick_dtype("float64", torch.device("cpu")) == torch.float64
 
 
 def test_tiny_target_loads_through_the_real_path(tiny_target_dir):

@@ -59,7 +59,7 @@ def test_overfits_a_small_set(workspace, tmp_path, write_chats):
     write_chats(data, 6)
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", *base, f"data.sources=[{{path: {data}}}]",
                              "data.holdout_fraction=0", "train.batch_tokens=512", "train.ttt_steps=2", "train.lr=5e-3",
-                             "train.epochs=300", "train.log_every=50", "train.temperature=0",
+                             "train.epochs=900", "train.log_every=50", "train.temperature=0",
                              # a random tiny target's head rows are no help; a random head overfits this set fastest
                              "train.init_head_from_target=false"])
     run_prepare(cfg)
@@ -69,7 +69,10 @@ def test_overfits_a_small_set(workspace, tmp_path, write_chats):
     logs = [h for h in m["history"] if "train/loss" in h]
     assert len(logs) >= 10
     assert logs[-1]["train/loss"] < 0.8 * logs[0]["train/loss"]
-    assert logs[-1]["train/acc_0"] > 0.9, logs[-1]
+    # Run to convergence, not to the edge of a bar: the last logged accuracy was 0.995 (AVX-512 kernels) and
+    # 0.991 (AVX2 kernels) with these settings, and still 0.86-0.90 at a third of the steps, where float
+    # differences between instruction sets decided whether a 0.9 bar was met.
+    assert logs[-1]["train/acc_0"] > 0.95, logs[-1]
     assert logs[-1]["train/oov_frac"] == 0.0  # full draft vocab
     assert logs[-1]["train/tau_sim"] > logs[0]["train/tau_sim"] + 0.5
     assert (out / "final" / "model.safetensors").is_file() and m["steps"] == 50 * len(logs)
