@@ -362,6 +362,47 @@ class ExportConfig(Section):
     """Weight dtype in the exported checkpoint."""
 
 
+class BudgetReference(Section):
+    """One measured run of this recipe: what the budget scales from."""
+    seconds: dict[Literal["generate", "collect", "train", "eval", "export"], float]
+    """Wall time of each stage in that run."""
+    probes: dict[Literal["gen_step", "prefill", "decode"], float] = Field(min_length=3)
+    """The probe figures (pipeline/budget.py) of the machine that run was on."""
+    synthesize: int = Field(ge=1)
+    """generate.synthesize of that run (the data stages scale with it)."""
+    max_prompts_per_domain: int = Field(ge=1)
+    """eval.max_prompts_per_domain of that run (eval scales with it)."""
+    machine: str = ""
+    """Where and when it was measured, for the reader."""
+
+
+class BudgetConfig(Section):
+    minutes: float | None = Field(None, gt=0)
+    """Wall-time budget of `draftsmith run`. When set, the run first measures this machine (the target's batched
+    generation step, prefill and one-token decode step: seconds) and sizes generate.synthesize and
+    eval.max_prompts_per_domain so that the predicted total fits: a faster machine gets more data, a slower one
+    less. The choice and the prediction are printed and written to RUN_DIR/budget.json (a re-run reuses them),
+    and the end of the run sets each stage's real time beside its prediction. None: the sizes as written."""
+    reference: BudgetReference | None = None
+    """The measured run the prediction scales from (required with `minutes`): copy the `measured` entry of a
+    budgeted run's RUN_DIR/budget.json to recalibrate."""
+    safety: float = Field(0.9, gt=0.0, le=1.0)
+    """Fraction of the budget the prediction may fill (the rest absorbs prediction error)."""
+    eval_share: float = Field(0.3, gt=0.0, lt=1.0)
+    """Most of the budget eval may take before it gets fewer prompts per domain (never fewer than one)."""
+    max_data_scale: float = Field(8.0, ge=1.0)
+    """Most data the budget may give, as a multiple of the config's generate.synthesize."""
+    min_synthesize: int = Field(32, ge=1)
+    """Fewest self-synthesized prompts the budget may give, however slow the machine."""
+
+    @model_validator(mode="after")
+    def _needs_reference(self) -> "BudgetConfig":
+        if self.minutes is not None and self.reference is None:
+            raise ValueError("budget.minutes needs budget.reference: the stage times and probe figures of one measured "
+                             "run of this recipe (the `measured` entry of a budgeted run's budget.json)")
+        return self
+
+
 class RunConfig(Section):
     name: str = "run"
     """Run name, used for the default run directory and in logs."""
@@ -383,6 +424,8 @@ class RunConfig(Section):
     """Acceptance-length evaluation (`eval`)."""
     export: ExportConfig = ExportConfig()
     """Export to serving engines (`export`)."""
+    budget: BudgetConfig = BudgetConfig()
+    """Sizing `draftsmith run` to a wall-time budget (`budget.minutes`)."""
 
     @property
     def run_path(self) -> Path:

@@ -63,7 +63,16 @@ def run_all(cfg: RunConfig) -> Path:
     # slow rank could read outputs the main process has just written and take another branch (and collective).
     agreed = state.wait_for_everyone
     timings: dict[str, str] = {}
+    seconds: dict[str, float] = {}  # of the stages that really ran
     started = time.perf_counter()
+    budget = None
+    if cfg.budget.minutes is not None:
+        from pipeline.budget import plan_budget
+        from pipeline.config import save_config
+
+        cfg, budget = plan_budget(cfg, main_process, agreed)
+        if main_process:
+            save_config(cfg, cfg.run_path / "config.yaml")  # the sized config is the one this run used
     upstream_ran = False  # once a stage really ran, later stages may not be skipped on their old outputs
     for i, stage in enumerate(stages, start=1):
         if main_process:
@@ -123,13 +132,20 @@ def run_all(cfg: RunConfig) -> Path:
             run_eval(cfg)
         elif stage == "export":
             run_export(cfg)
-        timings[stage] = f"{time.perf_counter() - t0:.0f}s"
+        seconds[stage] = time.perf_counter() - t0
+        timings[stage] = f"{seconds[stage]:.0f}s"
         upstream_ran = True
     total = time.perf_counter() - started
     if not main_process:
         return cfg.run_path
     console.rule("[bold]draftsmith run: done")
     console.print("stages: " + ", ".join(f"{s} {t}" for s, t in timings.items()) + f"; total {total:.0f}s", highlight=False)
+    if budget is not None:
+        from pipeline.budget import budget_table, record_actuals
+
+        budget = record_actuals(cfg, budget, seconds, total)
+        console.rule(f"[bold]budget {cfg.budget.minutes:g} min: predicted and actual stage times")
+        console.print(budget_table(budget), highlight=False)
     eval_json = cfg.run_path / cfg.eval.output / "eval.json"
     if eval_json.is_file():
         from eval.report import markdown_table

@@ -1,0 +1,103 @@
+"""Sizing `draftsmith run` to a time budget: the sizing rule on given probe figures, the probes on a real
+target, and a budgeted run that records its choice, reuses it on a re-run, and sets actual times beside the
+predicted ones."""
+
+import json
+
+import pytest
+
+from pipeline.budget import Probes, choose_sizes, measure_probes
+from pipeline.cli import main
+from pipeline.config import ConfigError, load_config
+
+REFERENCE = ("budget.reference={seconds: {generate: 300, collect: 60, train: 600, eval: 400, export: 5}, "
+             "probes: {gen_step: 0.05, prefill: 0.2, decode: 0.03}, synthesize: 160, max_prompts_per_domain: 2}")
+SAME = Probes(gen_step=0.05, prefill=0.2, decode=0.03)
+
+
+def _cfg(minutes, *overrides):
+    return load_config(None, [f"budget.minutes={minutes}", REFERENCE, "generate.synthesize=160",
+                              "eval.max_prompts_per_domain=2", *overrides])
+
+
+def test_the_reference_machine_gets_the_reference_sizes_when_the_budget_is_the_reference_time():
+    # the reference run took 1365 s; a budget whose safe share is exactly that gives back its sizes
+    plan = choose_sizes(_cfg(1365 / 60 / 0.9), SAME)
+    assert (plan.synthesize, plan.max_prompts_per_domain) == (160, 2)
+    assert plan.total == pytest.approx(1365)
+
+
+def test_a_slower_machine_gets_less_data_and_each_stage_scales_with_its_own_probe():
+    slow = Probes(gen_step=0.10, prefill=0.8, decode=0.03)  # 2x slower batched decoding, 4x slower prefill
+    plan = choose_sizes(_cfg(25), slow)
+    budget = 25 * 60 * 0.9
+    # eval costs the same here, so it keeps its 2 prompts; the data gets what is left
+    per_prompt = (300 * 2 + 60 * 4 + 600 * 4) / 160
+    assert plan.max_prompts_per_domain == 2
+    assert plan.synthesize == int((budget - 400 - 5) // per_prompt)
+    assert plan.predicted["train"] == pytest.approx(600 * 4 * plan.synthesize / 160)
+    assert plan.total <= budget
+
+
+def test_eval_gives_up_prompts_before_the_data_does_and_never_goes_below_one():
+    slow_decode = Probes(gen_step=0.05, prefill=0.2, decode=0.09)  # eval 3x slower: 1200 s for 2 prompts/domain
+    plan = choose_sizes(_cfg(25), slow_decode)
+    assert plan.max_prompts_per_domain == 1  # 600 s per prompt fits 0.3 of the budget once
+    hopeless = Probes(gen_step=0.05, prefill=0.2, decode=0.5)
+    assert choose_sizes(_cfg(25), hopeless).max_prompts_per_domain == 1
+
+
+def test_the_data_is_capped_on_fast_machines_and_floored_on_slow_ones():
+    fast = Probes(gen_step=0.001, prefill=0.001, decode=0.001)
+    assert choose_sizes(_cfg(25, "budget.max_data_scale=4"), fast).synthesize == 640
+    crawl = Probes(gen_step=5.0, prefill=5.0, decode=0.03)
+    plan = choose_sizes(_cfg(25, "budget.min_synthesize=24"), crawl)
+    assert plan.synthesize == 24 and plan.total > 25 * 60  # reported as over budget, not silently shrunk to nothing
+
+
+def test_minutes_without_a_reference_is_refused():
+    with pytest.raises(ConfigError, match="budget.minutes needs budget.reference"):
+        load_config(None, ["budget.minutes=25"])
+
+
+def test_probes_run_on_a_real_target(tiny_target_dir):
+    from pipeline.target import load_model
+
+    probes = measure_probes(load_model(load_config(None, [f"model.target={tiny_target_dir}"]).model), batch_size=4, aux_ids=[1, 2])
+    assert all(v > 0 for v in vars(probes).values())
+
+
+def test_a_budgeted_run_sizes_itself_records_the_choice_and_reuses_it(tmp_path, tiny_target_dir):
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"e{i}", "prompt": f"Question {i}: explain.", "topic": ["a", "b"][i % 2]}) + "\n"
+                               for i in range(6)))
+    recipe = tmp_path / "tiny.yaml"
+    # a reference whose stages took an hour at these sizes: any machine gets the floor (8 prompts, 1 per domain)
+    recipe.write_text(f"""
+model: {{target: {tiny_target_dir}}}
+generate: {{synthesize: 40, max_new_tokens: 16, batch_size: 8, chunk_size: 8, synth: {{round_size: 16, max_new_tokens: 10, min_chars: 3}}}}
+collect: {{aux_layer_ids: [1, 2], dtype: float32}}
+train: {{drafters: [eagle3], ttt_steps: 2, draft_vocab_size: 384, batch_tokens: 256, epochs: 2}}
+eval: {{sources: [{{path: {prompts}, domain_field: topic}}], temperatures: [0.0], max_new_tokens: 8, max_prompts_per_domain: 3}}
+export: {{formats: [vllm], dtype: float32}}
+budget:
+  minutes: 1
+  min_synthesize: 8
+  reference: {{seconds: {{generate: 3600, collect: 3600, train: 3600, eval: 3600, export: 1}},
+              probes: {{gen_step: 1.0e-9, prefill: 1.0e-9, decode: 1.0e-9}}, synthesize: 40, max_prompts_per_domain: 3}}
+""")
+    run = tmp_path / "run"
+    assert main(["run", str(recipe), f"run_dir={run}"]) == 0
+    record = json.loads((run / "budget.json").read_text())
+    assert record["chosen"] == {"generate.synthesize": 8, "eval.max_prompts_per_domain": 1}
+    assert set(record["actual_seconds"]) == {"generate", "collect", "train", "eval", "export"}
+    assert record["measured"]["synthesize"] == 8 and record["measured"]["seconds"] == record["actual_seconds"]
+    assert json.loads((run / "generated" / "manifest.json").read_text())["config"]["generate"]["synthesize"] == 8
+    sized = load_config(run / "config.yaml")  # the config the run used is the sized one
+    assert sized.generate.synthesize == 8 and sized.eval.max_prompts_per_domain == 1
+    ev = json.loads((run / "eval" / "eval.json").read_text())["runs"][0]
+    assert ev["overall"]["none"]["prompts"] == 2  # one per domain
+    # a re-run reuses the recorded choice (no re-probing, no re-sizing) and finds every stage complete
+    assert main(["run", str(recipe), f"run_dir={run}"]) == 0
+    again = json.loads((run / "budget.json").read_text())
+    assert again["probes"] == record["probes"] and again["chosen"] == record["chosen"]
