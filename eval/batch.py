@@ -9,16 +9,15 @@ Rows that have finished keep feeding a dummy token, and their outputs are ignore
 from __future__ import annotations
 
 import inspect
-import time
 from typing import Sequence
 
 import torch
 
 from data.features import AuxHooks, decoder_of
 from drafters.vocab import draft_to_target_ids
-from eval.engine import DecodeResult, _one_hot
+from eval.engine import DecodeResult, _one_hot, clock
 from eval.sampling import SamplingParams, probs_from_logits, sample
-from eval.verify import greedy_verify, sampling_verify
+from eval.verify import end_round, greedy_verify, sampling_verify
 
 
 class BatchedHFTarget:
@@ -239,11 +238,13 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: Sam
     `gamma` is the chain length; a DSpark drafter drafts min(gamma, its block size). With `confidence_threshold`,
     each row of a trained drafter keeps its drafts only while their running confidence stays above it."""
     stops = set(stop_ids)
-    started = time.perf_counter()
     if kind in BATCHED_DRAFTERS and drafter is None:
         raise ValueError(f"decode_batch(kind={kind!r}) needs the trained drafter")
     drafting = BATCHED_DRAFTERS[kind](drafter) if kind in BATCHED_DRAFTERS else None
     target = BatchedHFTarget(model, drafting.aux_ids if drafting else None, pad_id)
+    device = target.device
+    started = clock(device)
+    draft_seconds = verify_seconds = 0.0
     logits, feats, valid = target.prefill(prompts)
     B = len(prompts)
     firsts = [int(logits[b, -1].argmax()) if params.greedy else sample(probs_from_logits(logits[b, -1], params), generator)
@@ -254,6 +255,7 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: Sam
     if drafting:
         drafting.start(prompts, firsts, feats, valid)
     while any(active):
+        t0 = clock(device)
         if drafting:
             dr, q, confs = drafting.propose(gamma, params, generator)
             # the whole batch drafts every position; a row's drafts past its adaptive length are dropped unverified
@@ -271,6 +273,7 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: Sam
             row = [history[b][-1]] + drafts[b]
             tokens[b, : len(row)] = torch.tensor(row)
             ok[b, : len(row)] = True
+        t1 = clock(device)
         logits, feats = target.step(tokens, ok)
         accepted, news = [], []
         for b in range(B):
@@ -285,17 +288,20 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: Sam
             accepted.append(n if active[b] else 0)
             news.append(new)
             if active[b]:
-                committed = d[:n] + [new]
+                committed, drafted, kept, stopped = end_round(d, n, new, stops)
                 results[b].tokens += committed
                 history[b] += committed
-                results[b].rounds.append((len(d), n))
-                results[b].confidences.append(confs[b, : len(d)].tolist() if drafting else [])
-                active[b] = len(results[b].tokens) < max_new_tokens and not (set(committed) & stops)
+                results[b].rounds.append((drafted, kept))
+                results[b].confidences.append(confs[b, :drafted].tolist() if drafting else [])
+                active[b] = len(results[b].tokens) < max_new_tokens and not stopped
             else:
                 history[b].append(history[b][-1])  # the dummy token a finished row keeps feeding
+        t2 = clock(device)
         if drafting:
             drafting.commit(torch.tensor([d + [0] * (k - len(d)) for d in drafts]), accepted, news, feats)
-    seconds = time.perf_counter() - started
+        verify_seconds += t2 - t1
+        draft_seconds += (t1 - t0) + (clock(device) - t2)
+    seconds = clock(device) - started
     for r in results:
         cut = len(r.tokens)
         for i, t in enumerate(r.tokens[:max_new_tokens]):
@@ -304,5 +310,6 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: Sam
                 break
         r.tokens = r.tokens[: min(cut, max_new_tokens)]
         r.target_passes = 1 + len(r.rounds)
-        r.seconds = seconds / B
+        # the batch's rounds are shared by its rows: each row is charged an equal share
+        r.seconds, r.draft_seconds, r.verify_seconds = seconds / B, draft_seconds / B, verify_seconds / B
     return results

@@ -13,7 +13,15 @@ from typing import Callable, Sequence
 import torch
 
 from eval.sampling import SamplingParams, probs_from_logits, sample
-from eval.verify import greedy_verify, sampling_verify
+from eval.verify import end_round, greedy_verify, sampling_verify
+
+
+def clock(device: torch.device | None) -> float:
+    """perf_counter once the device has finished its queued work (CUDA runs asynchronously: without the
+    synchronize, a timer read after a launch measures the launch, not the work)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @dataclass
@@ -27,9 +35,9 @@ class DecodeResult:
     target_passes: int = 0
     seconds: float = 0.0
     draft_seconds: float = 0.0
-    """Wall time spent drafting (propose), over all rounds."""
+    """Wall time spent drafting over all rounds: proposing, and updating the drafter with what was verified."""
     verify_seconds: float = 0.0
-    """Wall time of the verification passes (the target forward of each round)."""
+    """Wall time of the verification passes (the target forward and the acceptance rule of each round)."""
 
     @property
     def tau(self) -> float:
@@ -64,7 +72,8 @@ def decode(target, proposer, prompt: Sequence[int], params: SamplingParams, gamm
 
     tree_verify = tree_verify or sampling_tree_verify
     stops = set(stop_ids)
-    started = time.perf_counter()
+    device = getattr(target, "device", None)
+    started = clock(device)
     target.reset()
     logits, feats = target.step(prompt)
     first = int(logits[-1].argmax()) if params.greedy else sample(probs_from_logits(logits[-1], params), generator)
@@ -72,9 +81,12 @@ def decode(target, proposer, prompt: Sequence[int], params: SamplingParams, gamm
     result = DecodeResult(tokens=out)
     proposer.start(prompt, first, feats)
     history = list(prompt) + out
-    while len(out) < max_new_tokens and out[-1] not in stops:
+    stopped = first in stops
+    while len(out) < max_new_tokens and not stopped:
+        t0 = clock(device)
         if tree is not None:
             t = proposer.propose_tree(tree.depth, tree.top_k, tree.total)
+            t1 = clock(device)
             past = target.length
             logits, feats = target.step_tree(out[-1], t)
             if params.greedy:
@@ -82,35 +94,35 @@ def decode(target, proposer, prompt: Sequence[int], params: SamplingParams, gamm
             else:
                 path, new = tree_verify(t, probs_from_logits(logits, params), generator)
             target.keep_path(past, path)
-            committed = [t.tokens[i] for i in path] + [new]
-            out += committed
-            history += committed
-            result.rounds.append((max(t.depths, default=0), len(path)))
+            t2 = clock(device)
+            committed, _, accepted, stopped = end_round([t.tokens[i] for i in path], len(path), new, stops)
+            result.rounds.append((max(t.depths, default=0), accepted))
             result.confidences.append([])
             rows = torch.tensor([0] + [1 + i for i in path])
             proposer.commit_path([t.tokens[i] for i in path], new, feats[rows] if feats is not None else None)
-            continue
-        t0 = time.perf_counter()
-        drafts, q, confs = proposer.propose(history, gamma, params, generator)
-        t1 = time.perf_counter()
-        context = target.length
-        logits, feats = target.step([out[-1]] + list(drafts))
-        result.draft_seconds += t1 - t0
-        result.verify_seconds += time.perf_counter() - t1
-        if params.greedy:
-            n, new = greedy_verify(drafts, logits)
         else:
-            p = probs_from_logits(logits, params)
-            if q is None:  # deterministic proposals: q puts all mass on the drafted token
-                q = _one_hot(drafts, p.shape[-1], p.device)
-            n, new = verify(drafts, q, p, generator)
-        target.rollback(context + 1 + n)
-        committed = list(drafts[:n]) + [new]
+            drafts, q, confs = proposer.propose(history, gamma, params, generator)
+            t1 = clock(device)
+            context = target.length
+            logits, feats = target.step([out[-1]] + list(drafts))
+            if params.greedy:
+                n, new = greedy_verify(drafts, logits)
+            else:
+                p = probs_from_logits(logits, params)
+                if q is None:  # deterministic proposals: q puts all mass on the drafted token
+                    q = _one_hot(drafts, p.shape[-1], p.device)
+                n, new = verify(drafts, q, p, generator)
+            target.rollback(context + 1 + n)
+            t2 = clock(device)
+            committed, drafted, accepted, stopped = end_round(drafts, n, new, stops)
+            result.rounds.append((drafted, accepted))
+            result.confidences.append(list(confs)[:drafted])
+            # EAGLE-3 runs its drafter over the verified tokens here: part of the cost of drafting
+            proposer.commit(drafts, n, new, feats[: n + 1] if feats is not None else None)
         out += committed
         history += committed
-        result.rounds.append((len(drafts), n))
-        result.confidences.append(list(confs))
-        proposer.commit(drafts, n, new, feats[: n + 1] if feats is not None else None)
+        result.verify_seconds += t2 - t1
+        result.draft_seconds += (t1 - t0) + (clock(device) - t2)
     cut = len(out)
     for i, t in enumerate(out[:max_new_tokens]):
         if t in stops:
@@ -118,5 +130,5 @@ def decode(target, proposer, prompt: Sequence[int], params: SamplingParams, gamm
             break
     result.tokens = out[: min(cut, max_new_tokens)]
     result.target_passes = target.passes
-    result.seconds = time.perf_counter() - started
+    result.seconds = clock(device) - started
     return result

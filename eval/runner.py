@@ -57,7 +57,11 @@ class HFTarget:
         from eval.tree import tree_mask
 
         past = self.length
-        mask = tree_mask(tree, past)[None, None].to(self.device)
+        # An additive float mask (0 = visible, dtype min = hidden): transformers hands a custom 4-D mask to the
+        # kernel as it is, and the eager kernel *adds* it to the scores, so a boolean mask would hide nothing there.
+        dtype = next(self.model.parameters()).dtype
+        visible = tree_mask(tree, past)[None, None].to(self.device)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill(~visible, torch.finfo(dtype).min)
         positions = torch.tensor([[past] + [past + d for d in tree.depths]], device=self.device)
         ids = torch.tensor([[root] + list(tree.tokens)], device=self.device)
         hooks = AuxHooks(self.base, self.aux_ids)

@@ -39,4 +39,17 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from `probs`; the generator must live on the device of `probs` (see `make_generator`)."""
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    """One U[0, 1) draw from `generator`, made on the generator's own device (a CUDA generator cannot fill a CPU
+    tensor, nor a CPU generator a CUDA one)."""
+    device = generator.device if generator is not None else None
+    return float(torch.rand((), generator=generator, device=device))
+
+
+def make_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A seeded generator on `device`: torch.multinomial and torch.rand on CUDA tensors refuse a CPU generator."""
+    return torch.Generator(device=device).manual_seed(seed)

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from eval.sampling import sample
+from eval.sampling import sample, uniform
 
 
 def greedy_verify(drafts: Sequence[int], target_logits: torch.Tensor) -> tuple[int, int]:
@@ -35,8 +35,22 @@ def sampling_verify(drafts: Sequence[int], q: torch.Tensor, p: torch.Tensor, gen
     """(number kept, next token). q: [k, V] the distributions the drafts were sampled from; p: [k+1, V] target."""
     for i, x in enumerate(drafts):
         px, qx = float(p[i, x]), float(q[i, x])
-        u = float(torch.rand((), generator=generator))
+        u = uniform(generator)
         if qx > 0 and u < min(1.0, px / qx):
             continue
         return i, sample(residual(p[i], q[i]), generator)
     return len(drafts), sample(p[len(drafts)], generator)
+
+
+def end_round(drafts: Sequence[int], n: int, new: int, stops: set[int]) -> tuple[list[int], int, int, bool]:
+    """(committed tokens, drafted, accepted, stop) for a round that kept `n` of `drafts` and then produced `new`.
+
+    A round commits its accepted drafts and the target's token, and the answer ends at the first stop token
+    among them, whether the stop was drafted and accepted or is the target's own token: nothing after it is
+    output, counted, or decoded further. When an accepted draft is the stop, the round is recorded as if the
+    drafts had ended just before it and the pass had produced it (drafted = accepted = its index), so τ counts
+    exactly the tokens this pass produced and no accepted draft is ever counted as rejected."""
+    for i, token in enumerate(drafts[:n]):
+        if token in stops:
+            return list(drafts[: i + 1]), i, i, True
+    return list(drafts[:n]) + [new], len(drafts), n, new in stops

@@ -14,10 +14,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
-from data.artifacts import write_manifest
+from data.artifacts import atomic_write_text, write_manifest
 from data.chat import prompt_ids, stop_token_ids
 from data.sources import iter_conversations
 from drafters.registry import load_drafter
@@ -27,7 +26,7 @@ from eval.metrics import acceptance_stats, calibration
 from eval.proposers import PROPOSERS, NoDraft, PromptLookup
 from eval.report import markdown_table, plots
 from eval.runner import HFTarget
-from eval.sampling import SamplingParams
+from eval.sampling import SamplingParams, make_generator
 from pipeline.config import RunConfig
 from pipeline.console import console
 from pipeline.dist import dist_state
@@ -97,32 +96,50 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     state = dist_state()
     if state.num_processes > 1:
         log.info("eval: %d ranks, each decoding every %d-th batch of prompts", state.num_processes, state.num_processes)
-    runs = []
+    def run_batch(batch, name, proposer, params, gen, max_new_tokens):
+        ids = [p["ids"] for p in batch]
+        if e.batch_size == 1:
+            runner = feature_targets.get(name, plain)
+            return [decode(runner, proposer, ids[0], params, gammas[name], max_new_tokens, stops, gen,
+                           tree=tree if hasattr(proposer, "propose_tree") else None)]
+        return decode_batch(model, ids, name, params, gammas[name], max_new_tokens, stops, gen,
+                            drafter=getattr(proposer, "drafter", None), pad_id=tok.pad_token_id,
+                            max_ngram=e.prompt_lookup_max_ngram, confidence_threshold=e.confidence_threshold)
+
+    by_domain: dict[str, list] = defaultdict(list)
+    for p in prompts:
+        by_domain[p["domain"]].append(p)
+    batches = [group[i:i + e.batch_size] for group in by_domain.values() for i in range(0, len(group), e.batch_size)]
+    mine = batches[state.process_index::state.num_processes]
+    # Warm-up, untimed: the first calls of a process pay for allocations and kernel selection; without this,
+    # whichever drafter runs first (plain decoding) absorbs them and every speedup is biased upward.
+    for name, proposer in proposers.items():
+        for temperature in sorted({0.0, *e.temperatures}):
+            run_batch(batches[0], name, proposer, SamplingParams(temperature, e.top_p, e.top_k),
+                      make_generator(target.device, e.seed), min(8, e.max_new_tokens))
+
+    out = cfg.run_path / e.output
+    ev: dict[str, Any] = {
+        "target": target.identity,
+        "drafters": drafter_info,
+        "settings": {**e.model_dump(mode="json"), "device": str(target.device), "dtype": str(model.dtype), "draft_lengths": gammas,
+                     "prompts": len(prompts), "processes": state.num_processes},
+        "complete": False,
+        "runs": [],
+    }
     for temperature in e.temperatures:
         params = SamplingParams(temperature, e.top_p, e.top_k)
-        # one stream per rank (rank 0 alone is the single-process run): sampled outputs depend on the rank count
-        gen = torch.Generator().manual_seed(e.seed + state.process_index)
+        # one stream per rank (rank 0 alone is the single-process run): sampled outputs depend on the rank count.
+        # It lives on the target's device: torch.multinomial / torch.rand on CUDA tensors refuse a CPU generator.
+        gen = make_generator(target.device, e.seed + state.process_index)
         by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         diverged: Counter = Counter()
-        by_domain: dict[str, list] = defaultdict(list)
-        for p in prompts:
-            by_domain[p["domain"]].append(p)
-        batches = [group[i:i + e.batch_size] for group in by_domain.values() for i in range(0, len(group), e.batch_size)]
-        mine = batches[state.process_index::state.num_processes]
         bar = tqdm(total=sum(len(b) for b in mine), desc=f"eval T={temperature}" + (f" (rank {state.process_index})"
                    if state.num_processes > 1 else ""), unit="prompt")
         for batch in mine:
             outputs = {}
             for name, proposer in proposers.items():
-                ids = [p["ids"] for p in batch]
-                if e.batch_size == 1:
-                    runner = feature_targets.get(name, plain)
-                    res = [decode(runner, proposer, ids[0], params, gammas[name], e.max_new_tokens, stops, gen,
-                                  tree=tree if hasattr(proposer, "propose_tree") else None)]
-                else:
-                    res = decode_batch(model, ids, name, params, gammas[name], e.max_new_tokens, stops, gen,
-                                       drafter=getattr(proposer, "drafter", None), pad_id=tok.pad_token_id,
-                                       max_ngram=e.prompt_lookup_max_ngram, confidence_threshold=e.confidence_threshold)
+                res = run_batch(batch, name, proposer, params, gen, e.max_new_tokens)
                 by[batch[0]["domain"]][name].extend(res)
                 outputs[name] = [r.tokens for r in res]
             if params.greedy:
@@ -151,20 +168,16 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         run = {"temperature": temperature, "drafters": list(proposers), "domains": domains, "overall": overall}
         if params.greedy:
             run["greedy_divergence"] = {n: {"prompts": diverged[n], "of": len(prompts)} for n in proposers if n != "none"}
-        runs.append(run)
+        ev["runs"].append(run)
+        # each temperature's results are on disk as soon as they exist (marked incomplete until the last one):
+        # a failure at a later temperature loses nothing already measured
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "eval.json", json.dumps(ev, indent=2))
 
-    out = cfg.run_path / e.output
     if not state.is_main_process:
         return out  # the main process writes the merged results
-    out.mkdir(parents=True, exist_ok=True)
-    ev = {
-        "target": target.identity,
-        "drafters": drafter_info,
-        "settings": {**e.model_dump(mode="json"), "device": str(target.device), "dtype": str(model.dtype), "draft_lengths": gammas,
-                     "prompts": len(prompts), "processes": state.num_processes},
-        "runs": runs,
-    }
-    (out / "eval.json").write_text(json.dumps(ev, indent=2))
+    ev["complete"] = True
+    atomic_write_text(out / "eval.json", json.dumps(ev, indent=2))
     table = markdown_table(ev)
     written = plots(ev, out)
     trained_list = ", ".join(f"{n} `{i['path']}`" for n, i in drafter_info.items()) or "none"

@@ -31,8 +31,10 @@ def _eval_matches(cfg: RunConfig) -> bool:
     path = cfg.run_path / cfg.eval.output / "eval.json"
     if not path.is_file():
         return False
-    settings = json.loads(path.read_text()).get("settings", {})
-    return all(settings.get(k) == v for k, v in cfg.eval.model_dump(mode="json").items())
+    ev = json.loads(path.read_text())
+    settings = ev.get("settings", {})
+    # eval.json is rewritten after every temperature; one that stopped part-way is not complete
+    return ev.get("complete", True) and all(settings.get(k) == v for k, v in cfg.eval.model_dump(mode="json").items())
 
 
 def plan_stages(cfg: RunConfig) -> list[str]:

@@ -55,3 +55,12 @@ def write_chats():
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def test_device():
+    """The device numerical tests run on: `DRAFTSMITH_TEST_DEVICE=cuda` runs them on a GPU (default cpu)."""
+    name = os.environ.get("DRAFTSMITH_TEST_DEVICE", "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("DRAFTSMITH_TEST_DEVICE asks for CUDA, and this machine has none")
+    return torch.device(name)

@@ -87,3 +87,52 @@ def test_eval_stage(tmp_path):
             assert {k: two["runs"][0]["domains"][domain][name][k] for k in counts} == {k: stats[k] for k in counts}, (domain, name)
     assert two["runs"][0]["greedy_divergence"] == first["runs"][0]["greedy_divergence"]
     assert json.loads((tmp_path / "run" / "export" / "manifest.json").read_text())["kind"] == "export"
+
+
+def _lookup_only_recipe(tmp_path, device):
+    """An eval of plain decoding and prompt lookup (no trained drafter needed) on a tiny target."""
+    target = save_tiny_target(tmp_path / "target", seed=0, num_layers=2)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}: say it twice. " * 2}) + "\n" for i in range(3)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{target: {target}, device: {device}}}\n"
+                      f"eval: {{sources: [{{path: {data}}}], drafters: [none, prompt_lookup], max_new_tokens: 12, "
+                      f"temperatures: [0.0, 1.0], top_p: 0.9, top_k: 20, batch_size: 1}}\n")
+    return load_config(recipe, [f"run_dir={tmp_path / 'run'}"])
+
+
+def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_finished_temperatures(
+        tmp_path, monkeypatch, test_device):
+    import pytest
+    import torch
+
+    import pipeline.evaluate as evaluate
+    from pipeline.run import _eval_matches
+
+    cfg = _lookup_only_recipe(tmp_path, test_device)
+    calls = []
+    real_decode = evaluate.decode
+
+    def spy(target, proposer, prompt, params, gamma, max_new_tokens, stops, gen, **kw):
+        calls.append((type(proposer).__name__, params.temperature, max_new_tokens))
+        assert isinstance(gen, torch.Generator) and gen.device.type == target.device.type  # multinomial on CUDA needs it
+        if params.temperature == 1.0 and max_new_tokens == 12:
+            raise RuntimeError("a failure at the second temperature")
+        return real_decode(target, proposer, prompt, params, gamma, max_new_tokens, stops, gen, **kw)
+
+    monkeypatch.setattr(evaluate, "decode", spy)
+    with pytest.raises(RuntimeError, match="second temperature"):
+        evaluate.run_eval(cfg)
+    # every drafter ran untimed (short) at both temperatures before the first timed decode
+    first_timed = next(i for i, c in enumerate(calls) if c[2] == 12)
+    assert {(name, t) for name, t, n in calls[:first_timed]} == {(n, t) for n in ("NoDraft", "PromptLookup") for t in (0.0, 1.0)}
+    assert all(n == 8 for _, _, n in calls[:first_timed])
+    # the T = 0 results were written before T = 1 failed, marked incomplete, so `draftsmith run` will not skip eval
+    ev = json.loads((cfg.run_path / "eval" / "eval.json").read_text())
+    assert ev["complete"] is False and [r["temperature"] for r in ev["runs"]] == [0.0]
+    assert ev["runs"][0]["overall"]["prompt_lookup"]["prompts"] == 3
+    assert not _eval_matches(cfg)
+    monkeypatch.setattr(evaluate, "decode", real_decode)
+    evaluate.run_eval(cfg)
+    ev = json.loads((cfg.run_path / "eval" / "eval.json").read_text())
+    assert ev["complete"] is True and [r["temperature"] for r in ev["runs"]] == [0.0, 1.0] and _eval_matches(cfg)

@@ -1,0 +1,139 @@
+"""What the engines count: rounds end at the first stop token however it was committed (drafted and accepted,
+or the target's own), τ counts exactly the tokens each pass produced, drafting time includes updating the
+drafter after verification, and tree verification masks correctly under every attention kernel."""
+
+import math
+import time
+
+import pytest
+import torch
+
+import eval.batch as batch_mod
+from eval.batch import decode_batch
+from eval.engine import TreeSpec, decode
+from eval.proposers import Eagle3Proposer, NoDraft
+from eval.runner import HFTarget
+from eval.sampling import SamplingParams
+from eval.tree import Tree
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_tok):
+    from pipeline.tiny import tiny_llama
+
+    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64)
+
+
+def plain_greedy(model, prompt, n, stops=()):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] in stops:
+                break
+    return ids[len(prompt):]
+
+
+class GreedyOracle(NoDraft):
+    """Drafts the target's own greedy continuation: every draft is accepted, stop tokens included."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, history, k, params, gen):
+        return plain_greedy(self.model, history, k), None, []
+
+
+def _prompts_and_stops(model, n=4):
+    """Prompts whose greedy answers reach a stop token in the middle of a 4-token draft (not at its end)."""
+    g = torch.Generator().manual_seed(2)
+    prompts, stops = [], set()
+    while len(prompts) < n:
+        prompt = torch.randint(5, 380, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        cont = plain_greedy(model, prompt, 12)
+        if cont[2] not in cont[:2] and cont[2] not in stops:  # first token from prefill, then drafts cont[1:5]
+            prompts.append(prompt)
+            stops.add(cont[2])
+    return prompts, sorted(stops)
+
+
+def _check_accounting(model, prompt, r, stops, gamma, max_new):
+    expected = plain_greedy(model, prompt, max_new, stops)
+    assert r.tokens == expected
+    assert r.tokens[-1] in stops and len(r.tokens) < max_new
+    # τ counts exactly what the passes produced: the prefill's token plus a+1 per round
+    assert 1 + sum(a + 1 for _, a in r.rounds) == len(r.tokens)
+    # an oracle's rounds are all full until the one that reaches the stop: no round after it
+    assert len(r.rounds) == math.ceil((len(r.tokens) - 1) / (gamma + 1))
+    assert r.target_passes == len(r.rounds) + 1
+
+
+def test_one_prompt_engine_stops_at_an_accepted_stop_token(tiny64):
+    prompts, stops = _prompts_and_stops(tiny64)
+    for prompt in prompts:
+        r = decode(HFTarget(tiny64), GreedyOracle(tiny64), prompt, SamplingParams(), 4, 40, stops)
+        _check_accounting(tiny64, prompt, r, stops, 4, 40)
+
+
+def test_batched_engine_counts_a_stop_round_the_same_way(tiny64, monkeypatch):
+    prompts, stops = _prompts_and_stops(tiny64)
+    # prompt lookup's drafting replaced by the oracle: every row drafts its target's greedy continuation
+    monkeypatch.setattr(batch_mod, "_prompt_lookup", lambda history, k, max_ngram: plain_greedy(tiny64, history, k))
+    results = decode_batch(tiny64, prompts, "prompt_lookup", SamplingParams(), 4, 40, stops)
+    for prompt, r in zip(prompts, results):
+        _check_accounting(tiny64, prompt, r, stops, 4, 40)
+    alone = [decode(HFTarget(tiny64), GreedyOracle(tiny64), p, SamplingParams(), 4, 40, stops) for p in prompts]
+    assert [r.rounds for r in results] == [r.rounds for r in alone]
+
+
+class SlowCommit(GreedyOracle):
+    """An oracle whose post-verification update takes 20 ms (EAGLE-3 runs its drafter there)."""
+
+    def commit(self, drafts, n, new, feats):
+        time.sleep(0.02)
+
+
+def test_drafting_time_includes_the_drafter_update_after_verification(tiny64):
+    r = decode(HFTarget(tiny64), SlowCommit(tiny64), [5, 6, 7], SamplingParams(), 2, 12)
+    assert r.draft_seconds >= 0.02 * len(r.rounds) and r.verify_seconds > 0
+
+
+def test_trees_and_batches_record_draft_and_verify_time(tiny64, monkeypatch):
+    from tests.eval.test_exactness import _eagle3
+
+    drafter = _eagle3(tiny64)
+    r = decode(HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids), Eagle3Proposer(drafter), [5, 6, 7], SamplingParams(),
+               0, 10, tree=TreeSpec(depth=3, top_k=2, total=6))
+    assert r.draft_seconds > 0 and r.verify_seconds > 0
+    real_commit = batch_mod.BatchedEagle3.commit
+
+    def slow_commit(self, *args):
+        time.sleep(0.02)
+        return real_commit(self, *args)
+
+    monkeypatch.setattr(batch_mod.BatchedEagle3, "commit", slow_commit)
+    results = decode_batch(tiny64, [[5, 6, 7], [8, 9]], "eagle3", SamplingParams(), 3, 10, drafter=drafter)
+    rounds = max(len(r.rounds) for r in results)
+    # each row is charged its share of the batch's drafting, the drafter's update included
+    assert sum(r.draft_seconds for r in results) >= 0.02 * rounds and all(r.verify_seconds > 0 for r in results)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_logits_equal_each_paths_plain_forward(tiny_tok, attn):
+    from pipeline.tiny import tiny_llama
+
+    model = tiny_llama(tiny_tok, seed=0, num_layers=2, dtype=torch.float64)
+    model.set_attn_implementation(attn)
+    prompt, root = [5, 9, 13, 40], 77
+    tree = Tree([11, 12, 21, 22, 31], [-1, -1, 0, 0, 2], [1, 1, 2, 2, 3], [-1.0, -2.0, -1.5, -3.0, -2.5])
+    target = HFTarget(model)
+    target.reset()
+    target.step(prompt)
+    logits, _ = target.step_tree(root, tree)
+    with torch.no_grad():
+        whole = model(torch.tensor([prompt + [root]])).logits[0, -1]
+        torch.testing.assert_close(logits[0], whole.float(), rtol=1e-6, atol=1e-6)
+        for i in range(len(tree)):
+            path = [tree.tokens[a] for a in tree.ancestors(i)]
+            plain = model(torch.tensor([prompt + [root] + path])).logits[0, -1]
+            torch.testing.assert_close(logits[1 + i], plain.float(), rtol=1e-6, atol=1e-6, msg=f"node {i} ({attn})")
