@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eval.sampling import sample
+from eval.sampling import sample, uniform
 
 
 @dataclass
@@ -82,7 +82,7 @@ def sampling_tree_verify(tree: Tree, p: torch.Tensor, generator: torch.Generator
         accepted = None
         for child in tree.children(node):
             x = tree.tokens[child]
-            if float(torch.rand((), generator=generator)) < float(dist[x]):
+            if uniform(generator) < float(dist[x]):
                 accepted = child
                 break
             dist[x] = 0.0
