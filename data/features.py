@@ -50,6 +50,8 @@ def resolve_aux_ids(aux_ids: Sequence[int] | None, num_layers: int) -> list[int]
         raise FeatureError(f"collect.aux_layer_ids {bad} out of range: valid HF hidden_states indices are 0..{num_layers}")
     if len(set(ids)) != len(ids):
         raise FeatureError(f"collect.aux_layer_ids {ids} has duplicates")
+    if ids != sorted(ids):  # the engines concatenate captured layers in ascending layer order
+        raise FeatureError(f"collect.aux_layer_ids {ids} must be ascending (serving engines concatenate in layer order)")
     return ids
 
 

@@ -47,11 +47,15 @@ def teacher_from_final(final: torch.Tensor, head_weight: torch.Tensor, draft_ids
     normalizer) and never kept whole. Greedy (temperature 0) soft labels use temperature 1.
     """
     B, T, H = final.shape
-    flat = final.reshape(-1, H).to(head_weight.dtype)
+    # fp32 logits even inside a bf16 autocast region: rounded to bf16, logits of ~20 move by ~0.1 and the
+    # probabilities the drafter is trained toward by ~10%
+    weight = head_weight.float()
+    flat = final.reshape(-1, H).float()
     t_soft = temperature if temperature > 0 else 1.0
     probs, exact, argmax = [], [], []
     for start in range(0, flat.shape[0], chunk):
-        logits = (flat[start:start + chunk] @ head_weight.T).float()
+        with torch.autocast(final.device.type, enabled=False):
+            logits = flat[start:start + chunk] @ weight.T
         argmax.append(logits.argmax(-1))
         cols = logits[:, draft_ids]
         probs.append(torch.softmax(cols / t_soft, dim=-1))
@@ -74,15 +78,20 @@ def draft_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor
 
 def position_losses(logits: torch.Tensor, teacher: Teacher, kind: str, temperature: float) -> torch.Tensor:
     """[B, T] loss per position: `ce` soft cross-entropy (= forward KL + const), `tv` total variation,
-    `accept` -log Σ min(p, q)."""
+    `accept` -log Σ min(p, q).
+
+    `tv` and `accept` compare q with the target's full-vocabulary p (its mass on the draft columns, `exact`), so
+    1 - tv and exp(-accept) are the acceptance probability itself; the draft-vocab renormalized p would overstate
+    it by the mass outside the draft vocab. At temperature 0 there is no such p, and the soft labels are used."""
     logq = F.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
     if kind == "ce":
         return -(teacher.probs * logq).sum(-1)
     q = logq.exp()
+    overlap = torch.minimum(teacher.exact if teacher.exact is not None else teacher.probs, q).sum(-1)
     if kind == "tv":
-        return 0.5 * (teacher.probs - q).abs().sum(-1)
+        return 1.0 - overlap  # = ½‖p − q‖₁ over the full vocabulary (q is 0 outside the draft vocab)
     if kind == "accept":
-        return -torch.log(torch.minimum(teacher.probs, q).sum(-1).clamp_min(1e-9))
+        return -torch.log(overlap.clamp_min(1e-9))
     raise ValueError(f"unknown loss {kind!r} (choose ce, tv or accept)")
 
 

@@ -107,7 +107,8 @@ class DSparkObjectiveSettings:
     temperature: float = 1.0
     """Temperature of the teacher / acceptance targets; 0 = greedy."""
     sample_markov_inputs: bool = False
-    """Condition the sequential bias on the drafter's own samples (training-time test)."""
+    """Condition the sequential bias on the drafter's own samples (training-time test); a slot is supervised only
+    while the samples before it equal the data tokens (the only prefixes whose teacher is known)."""
     seed: int = 0
     """Salt of the per-(epoch, sequence) anchor draw."""
 
@@ -160,7 +161,13 @@ def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner
     draft_ids = draft_to_target_ids(inner.d2t)
     teacher = teacher_from_final(gathered, head_weight, draft_ids, s.temperature)  # [B, A*G, ...]
     sample_t = s.temperature if s.sample_markov_inputs else None
-    logits, conf, _ = model(batch["aux"].to(device), input_ids, attention, anchors, sample_t, generator)
+    logits, conf, prev = model(batch["aux"].to(device), input_ids, attention, anchors, sample_t, generator)
+    if sample_t is not None:
+        # Slot k conditioned on the drafter's own samples is supervised only while they equal the data tokens: the
+        # teacher at p+k is the target's distribution after the *data* prefix, and after any other prefix the
+        # target's distribution is unknown here (it would take a target pass over the drafted tokens).
+        data_prev = input_ids.gather(1, pos.clamp_max(T - 1).view(B, -1)).view_as(pos)
+        valid = valid & (prev == data_prev).long().cumprod(-1).bool()
     D = logits.shape[-1]
     return logits.reshape(B, -1, D), conf.reshape(B, -1), teacher, valid.reshape(B, -1), draft_ids
 

@@ -163,10 +163,24 @@ class GenerateConfig(Section):
     """Base seed; each chunk / synthesis round derives its own, so resumed runs reproduce uninterrupted ones."""
 
 
+def _ascending_layer_ids(value: list[int] | None) -> list[int] | None:
+    """Aux layer ids must be strictly ascending: vLLM and SGLang concatenate the captured layers in layer order,
+    so features fused in another order would reach `fc` with permuted columns and no error."""
+    if value is not None and any(a >= b for a, b in zip(value, value[1:])):
+        raise ValueError(f"aux layer ids must be strictly ascending (serving engines concatenate the layers in "
+                         f"ascending order), got {value}; use {sorted(set(value))}")
+    return value
+
+
 class CollectConfig(Section):
     aux_layer_ids: list[int] | None = None
-    """HF `hidden_states` indices to capture (0 = embeddings, i = input of layer i, L = final normed output).
-    None: EAGLE-3 default `[2, L//2, L-3]`."""
+    """HF `hidden_states` indices to capture, strictly ascending (0 = embeddings, i = input of layer i, L = final
+    normed output). None: EAGLE-3 default `[2, L//2, L-3]`."""
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _ascending(cls, value: list[int] | None) -> list[int] | None:
+        return _ascending_layer_ids(value)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Storage dtype of captured features."""
     source: Literal["auto", "generated", "prepared"] = "auto"
@@ -197,8 +211,13 @@ class DSparkSettings(Section):
     head_dim: int | None = None
     """Backbone head size; None = the target's."""
     aux_layer_ids: list[int] | None = None
-    """The subset of the feature store's aux layers the drafter fuses (HF hidden_states indices); None = all
-    of them (capture several evenly spaced layers with collect.aux_layer_ids)."""
+    """The subset of the feature store's aux layers the drafter fuses (HF hidden_states indices, strictly
+    ascending); None = all of them (capture several evenly spaced layers with collect.aux_layer_ids)."""
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _ascending(cls, value: list[int] | None) -> list[int] | None:
+        return _ascending_layer_ids(value)
     markov_rank: int = Field(256, ge=0)
     """Rank r of the sequential bias W1[x_{k-1}] W2 (0 disables it: a plain parallel block drafter)."""
     mask_token_id: int | None = None
@@ -215,7 +234,8 @@ class DSparkSettings(Section):
     """Slot k (1-based) is weighted exp(−(k−1)/decay); None = block_size."""
     sample_markov_inputs: bool = False
     """Training-time test for the sequential bias: condition slot k on the token the drafter itself sampled at
-    slot k−1 (instead of the data token)."""
+    slot k−1 (instead of the data token). A slot is then supervised only while the samples before it equal the
+    data tokens: the teacher is the target's distribution after the data prefix, unknown after any other."""
     calibrate: bool = True
     """Fit sequential temperature scaling of the confidences on the holdout split after training."""
     calibration_bins: int = Field(10, ge=2)

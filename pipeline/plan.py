@@ -473,12 +473,13 @@ def make_plan(cfg: RunConfig, *, target_config=None, tokens: int | None = None, 
         if d.family == "eagle3":
             memory["activations (TTT unroll)"] = eagle3_activation_bytes(
                 d, train.ttt_steps, train.batch_tokens, seq, feature_bytes, act, train.gradient_checkpointing)
-            memory["teacher lm_head (bf16)"] = 2.0 * t.vocab * t.hidden
-            memory["teacher logits (one chunk)"] = float(min(TEACHER_CHUNK, train.batch_tokens) * t.vocab * (act + 4))
+            memory["teacher lm_head (fp32)"] = 4.0 * t.vocab * t.hidden  # fp32: the teacher's logits are never rounded
+            # fp32 logits and one fp32 temporary (logits / T for the normalizer)
+            memory["teacher logits (one chunk)"] = float(min(TEACHER_CHUNK, train.batch_tokens) * t.vocab * 8)
             flops = eagle3_flops(d, p, t, train.ttt_steps, mean_len)
         else:
             memory["activations (anchor blocks)"] = dspark_activation_bytes(d, train.batch_tokens, seq, feature_bytes, act)
-            memory["teacher lm_head (bf16)"] = 2.0 * t.vocab * t.hidden
+            memory["teacher lm_head (fp32)"] = 4.0 * t.vocab * t.hidden
             flops = dspark_flops(d, p, t, mean_len)
         memory.update(target_bytes(t, lay, train.batch_tokens, n_aux_store))
         if lay.online:

@@ -222,18 +222,24 @@ class Trainer:
         if t.draft_vocab_size > V:
             log.warning("train.draft_vocab_size=%d is larger than the target vocabulary (%d): using %d", t.draft_vocab_size, V, V)
         self.draft_vocab_size = min(t.draft_vocab_size, V)
-        if (self.out / "vocab.safetensors").is_file():  # resume: the vocabulary is part of the run
+        vocab_file = self.out / "vocab.safetensors"
+        resuming = vocab_file.is_file()  # resume: the vocabulary is part of the run
+        acc.wait_for_everyone()  # every rank has looked before the main process may write it
+        if resuming:
             from safetensors.torch import load_file
 
-            vocab = load_file(str(self.out / "vocab.safetensors"))
+            vocab = load_file(str(vocab_file))
             d2t, t2d = vocab["d2t"], vocab["t2d"]
         else:
+            # every rank computes the same vocabulary from the same counts; only the main process writes it, whole
             d2t, t2d = select_draft_vocab(token_counts(self.source, V), self.draft_vocab_size)
             if acc.is_main_process:
                 from safetensors.torch import save_file
 
                 self.out.mkdir(parents=True, exist_ok=True)
-                save_file({"d2t": d2t, "t2d": t2d}, str(self.out / "vocab.safetensors"))
+                partial = vocab_file.with_name(".vocab.safetensors.partial")
+                save_file({"d2t": d2t, "t2d": t2d}, str(partial))
+                partial.replace(vocab_file)
         self.family = get_family(family)
         torch.manual_seed(cfg.seed)
         extra = {"head_weight": head} if family == "dspark" or t.init_head_from_target else {}
@@ -242,12 +248,13 @@ class Trainer:
                                                         **extra, **fs["shape"])
         except ValueError as exc:
             raise StageError(f"train ({family}): {exc}") from None
-        self.head_weight = head.to(self.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32)
+        # the teacher (the target's lm_head over the final states) is computed in fp32 under any mixed precision
+        self.head_weight = head.to(self.device, torch.float32)
         self.settings = fs["objective"]
+        # every rank gets the same number of batches (plan_batches), so this check agrees on all of them
         self.batches_per_epoch = len(plan_epoch(self.source, cfg, 0, acc.process_index, acc.num_processes))
-        if self.batches_per_epoch == 0:
-            raise StageError("not enough training batches for every rank to get one; lower train.batch_tokens")
-        steps_per_epoch = max(1, self.batches_per_epoch // t.gradient_accumulation)
+        self._check_steps(self.batches_per_epoch)
+        steps_per_epoch = self.batches_per_epoch // t.gradient_accumulation
         self.total_steps = steps_per_epoch * self.epochs if self.max_steps is None else self.max_steps
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=fs["lr"], weight_decay=t.weight_decay, betas=(0.9, 0.95))
@@ -263,6 +270,16 @@ class Trainer:
         self.best = -math.inf
         self.history: list[dict[str, Any]] = []
 
+    def _check_steps(self, batches: int) -> None:
+        """Refuse an epoch whose batches cannot make one optimizer step (it would loop forever under max_steps,
+        or finish untrained)."""
+        t, acc = self.cfg.train, self.accelerator
+        if batches < t.gradient_accumulation:
+            raise StageError(
+                f"each optimizer step takes train.gradient_accumulation={t.gradient_accumulation} batches, and a rank gets "
+                f"only {batches} per epoch ({acc.num_processes} rank(s), train.batch_tokens={t.batch_tokens}): it would "
+                "never step; lower train.gradient_accumulation or train.batch_tokens, or use fewer ranks")
+
     # ------------------------------------------------------------------------------------ checkpoints
 
     def unwrapped(self):
@@ -273,6 +290,9 @@ class Trainer:
         acc = self.accelerator
         state = acc.get_state_dict(self.model)
         if acc.is_main_process:
+            # the drafter is saved in fp32 however it was trained: DeepSpeed's bf16 mode hands back bf16 weights
+            # (its fp32 master copy is in the optimizer state), DDP the fp32 parameters
+            state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
             self.unwrapped().save_pretrained(directory, state_dict=state)
 
     def save_checkpoint(self) -> Path:
@@ -355,6 +375,7 @@ class Trainer:
         # max_steps, when set, decides the length (epochs repeat as needed); otherwise `epochs` does
         while not done and (self.max_steps is not None or self.epoch < self.epochs):
             batches = plan_epoch(self.source, cfg, self.epoch, acc.process_index, acc.num_processes)
+            self._check_steps(len(batches))  # the count can change between epochs (length buckets are redrawn)
             usable = len(batches) // t.gradient_accumulation * t.gradient_accumulation
             while self.batch_in_epoch < usable:
                 indices = batches[self.batch_in_epoch]
@@ -393,7 +414,10 @@ class Trainer:
         bar.close()
         result = self._finish(time.perf_counter() - started)
         if t.report_to != "none":
-            acc.end_training()
+            # not acc.end_training(): it also destroys the process group, which the next family and the later
+            # stages of `draftsmith run` still need (the CLI closes it once, at the very end)
+            for tracker in acc.trackers:
+                tracker.finish()
         return result
 
     def _log(self, window: dict[str, float], seconds: float, grad_norm, bar) -> None:
@@ -440,22 +464,32 @@ class Trainer:
 
     @torch.no_grad()
     def calibrate(self, directory: Path) -> None:
-        """Fit the confidence temperatures of the drafter in `directory` on the whole holdout split (main
-        process; the saved drafter is complete there under every ZeRO stage) and write them into its config."""
+        """Fit the confidence temperatures of the drafter in `directory` on the whole holdout split and write them
+        into its config. Every rank computes the confidences of its share of the holdout batches (a long
+        calibration on one rank would leave the others waiting in a collective until the NCCL timeout); the main
+        process gathers them, fits and writes."""
+        from accelerate.utils import gather_object
+
         from drafters.calibration import fit_sequential_temperatures, survival_ece
         from drafters.objectives import dspark_calibration_data
         from drafters.registry import load_drafter
 
-        model = load_drafter(directory).to(self.device).eval()
+        acc = self.accelerator
+        model = load_drafter(directory).to(self.device).eval()  # complete on disk under every ZeRO stage
         head = self.head_weight.float()
+        holdout = plan_epoch(self.source, self.cfg, 0, 0, 1, split="holdout")  # all of it, none left out
         parts = []
-        for indices in plan_epoch(self.source, self.cfg, 0, 0, 1, split="holdout"):
+        for indices in holdout[acc.process_index::acc.num_processes]:
             batch = self.source.load_batch(indices)
-            parts.append(dspark_calibration_data(model, batch, head, self.settings))
+            parts.append(tuple(t.cpu() for t in dspark_calibration_data(model, batch, head, self.settings)))
+        if acc.num_processes > 1:
+            parts = gather_object(parts)
+        if not acc.is_main_process:
+            return
         if not parts or sum(p[0].shape[0] for p in parts) == 0:
             log.warning("train: no holdout blocks to calibrate %s on; confidences left uncalibrated", directory)
             return
-        conf, alpha, valid = (torch.cat([p[i] for p in parts]).cpu() for i in range(3))
+        conf, alpha, valid = (torch.cat([p[i] for p in parts]) for i in range(3))
         bins = self.cfg.train.dspark.calibration_bins
         before = survival_ece(conf, alpha, valid, [1.0] * conf.shape[1], bins)
         temps = fit_sequential_temperatures(conf, alpha, valid, bins)
@@ -466,7 +500,8 @@ class Trainer:
         raw["confidence_temperatures"] = temps
         atomic_write_text(cfg_path, json.dumps(raw, indent=2))
         report = {"blocks": int(conf.shape[0]), "temperatures": temps, "survival_ece_before": before,
-                  "survival_ece_after": after, "bins": bins, "temperature": self.cfg.train.temperature}
+                  "survival_ece_after": after, "bins": bins, "temperature": self.cfg.train.temperature,
+                  "ranks": acc.num_processes}
         atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2))
         console.print(f"calibrated {directory.name}/: survival ECE by position {['%.3f' % e for e in before]} -> "
                       f"{['%.3f' % e for e in after]} ({conf.shape[0]} holdout blocks)", highlight=False, markup=False)
@@ -474,9 +509,10 @@ class Trainer:
     def _finish(self, seconds: float) -> Path:
         acc = self.accelerator
         self.save_drafter(self.out / "final")
-        if acc.is_main_process and self.family.name == "dspark" and self.cfg.train.dspark.calibrate:
+        acc.wait_for_everyone()  # best/ and final/ are on disk before any rank reads them
+        if self.family.name == "dspark" and self.cfg.train.dspark.calibrate:
             for d in (self.out / "best", self.out / "final"):
-                if (d / "config.json").is_file():
+                if (d / "config.json").is_file():  # the same answer on every rank: the files exist or not
                     self.calibrate(d)
         acc.wait_for_everyone()
         if acc.is_main_process:
@@ -541,5 +577,8 @@ def run_train(cfg: RunConfig, resume: bool = False, families: list[str] | None =
         if resume and not trainer.resume():
             log.info("train: no checkpoint to resume from in %s; starting fresh", out)
         trainer.train()
+        # free this family's engine, optimizer and gradients before the next family builds its own (a DeepSpeed
+        # engine keeps its buffers alive through references `del` alone does not reach)
+        trainer.accelerator.free_memory()
         del trainer
     return cfg.run_path / "train"

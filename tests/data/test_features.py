@@ -49,6 +49,8 @@ def test_aux_id_rules():
         resolve_aux_ids([1, 5], 4)
     with pytest.raises(FeatureError, match="duplicates"):
         resolve_aux_ids([1, 1], 4)
+    with pytest.raises(FeatureError, match="must be ascending"):
+        resolve_aux_ids([3, 1], 4)
     assert resolve_aux_ids(None, 30) == [2, 15, 27]
 
 

@@ -189,3 +189,31 @@ def test_sequential_temperature_scaling_lowers_heldout_ece():
     after = survival_ece(c2, a2, v2, temps)
     assert all(x < 0.5 * y for x, y in zip(after, before)), (before, after)
     assert max(after) < 0.03
+
+
+def test_sampled_markov_inputs_supervise_a_slot_only_while_its_conditioning_matches_the_data():
+    """With sample_markov_inputs, slot k is conditioned on the drafter's own samples; its teacher (the target after
+    the data prefix) is only right while those samples equal the data tokens, so later slots are masked."""
+    from drafters.objectives import _dspark_forward
+
+    model = _drafter(dtype=torch.float32)
+    batch = _batch()
+    head = torch.randn(V, H)
+    forced = DSparkObjectiveSettings(block_size=4, anchors_per_sequence=6, temperature=0.0)
+    sampled = DSparkObjectiveSettings(block_size=4, anchors_per_sequence=6, temperature=0.0, sample_markov_inputs=True)
+    with torch.no_grad():
+        _, _, _, valid_forced, _ = _dspark_forward(model, batch, head, forced, model)
+        logits, _, _, valid, _ = _dspark_forward(model, batch, head, sampled, model)
+        _, _, prev = model(batch["aux"], batch["input_ids"], batch["attention_mask"],
+                           sample_anchors(batch["loss_mask"], batch["attention_mask"], batch["ids"], 6, 0, 0)[0], 0.0)
+    G = 4
+    anchors, _ = sample_anchors(batch["loss_mask"], batch["attention_mask"], batch["ids"], 6, 0, 0)
+    data_prev = batch["input_ids"].gather(1, (anchors[..., None] + torch.arange(G)).clamp_max(19).view(2, -1)).view(2, -1, G)
+    matches = (prev == data_prev).long().cumprod(-1).bool().view(2, -1)
+    assert valid_forced.view(2, -1, G)[..., 1:].any()  # teacher-forced: later slots are supervised
+    assert torch.equal(valid, valid_forced & matches)  # sampled: only while every earlier sample was the data token
+    assert (~matches.view(2, -1, G)[..., 1:]).any()  # a random drafter's samples do differ: the test has power
+    # the statistics count only those slots
+    _, stats = dspark_objective(model, batch, head, sampled)
+    for k in range(G):
+        assert stats[f"n_{k}"] == int(valid.view(2, -1, G)[..., k].sum())

@@ -16,16 +16,21 @@ _real_train = train_stage.Trainer.train
 def _train_then_dump(self):
     result = _real_train(self)
     acc = self.accelerator
-    state = acc.get_state_dict(self.model, unwrap=True)  # gathered from the partitions under ZeRO-3
-    params = {n: p.detach().cpu().contiguous() for n, p in self.unwrapped().named_parameters() if p.requires_grad}
-    if not all(p.numel() for p in params.values()):
-        params = {n: state[n].cpu().contiguous() for n in params}
+    trainable = [(n, p) for n, p in self.unwrapped().named_parameters() if p.requires_grad]
+    local = sum(p.numel() for _, p in trainable)  # 0 when ZeRO-3 really partitioned every trainable parameter
+    if any(hasattr(p, "ds_id") for _, p in trainable):  # ZeRO-3: every rank gathers the whole parameters
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in trainable], modifier_rank=None):
+            params = {n: p.detach().cpu().clone().contiguous() for n, p in trainable}
+    else:
+        params = {n: p.detach().cpu().contiguous() for n, p in trainable}
     out = Path(os.environ["SYNC_DIR"])
     out.mkdir(parents=True, exist_ok=True)
     save_file(params, str(out / f"rank{acc.process_index}.safetensors"))
     plugin = getattr(acc.state, "deepspeed_plugin", None)
     print(f"SYNC world={acc.num_processes} engine={type(self.model).__name__} "
-          f"zero={getattr(plugin, 'zero_stage', None)}", flush=True)
+          f"zero={getattr(plugin, 'zero_stage', None)} local_params={local}", flush=True)
     return result
 
 

@@ -100,6 +100,12 @@ def test_deepspeed_json_is_valid(path):
     zero = DeepSpeedZeroConfig(**ds["zero_optimization"])  # DeepSpeed's own schema: refuses unknown keys
     assert zero.stage in (1, 2, 3)
     assert ds["bf16"] == {"enabled": "auto"}, "bf16 follows train.mixed_precision (bf16 on CUDA)"
+    # bf16 weights, fp32 gradient accumulation: summing micro-batches in bf16 loses their low bits
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    from deepspeed.runtime.config import DeepSpeedConfig  # DeepSpeed's own reading of the key
+
+    assert DeepSpeedConfig({**ds, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+                            "gradient_clipping": 1.0, "bf16": {"enabled": True}}).grad_accum_dtype == "fp32"
     for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping"):
         assert ds[key] == "auto", f"{key}: the trainer resolves it from the run config"
     for world in (1, 2, 8, 16):

@@ -166,7 +166,14 @@ def test_deepspeed_zero3_offload_online_sharded_target_through_the_slurm_script(
     so training matches the offline DDP run."""
     recipe = _new_run(workspace, tmp_path, "zero3")
     shutil.rmtree(Path(yaml.safe_load(recipe.read_text())["run_dir"]) / "features")  # online needs no store
-    config = _two_process_copy("accelerate_zero3_multinode.yaml", tmp_path / "zero3.yaml")
+    # DeepSpeed keeps parameters under stage3_param_persistence_threshold (1e5 elements by default) whole on every
+    # rank, which is every parameter of a tiny drafter: at 0 each one is really split over the ranks
+    ds = json.loads((REPO / "launch" / "ds_zero3_offload.json").read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (tmp_path / "ds_zero3_offload.json").write_text(json.dumps(ds))
+    accel = yaml.safe_load((REPO / "launch" / "accelerate_zero3_multinode.yaml").read_text())["deepspeed_config"]
+    config = _two_process_copy("accelerate_zero3_multinode.yaml", tmp_path / "zero3.yaml",
+                               deepspeed_config={**accel, "deepspeed_config_file": str(tmp_path / "ds_zero3_offload.json")})
     bin_dir = tmp_path / "bin"  # one-node stand-ins for SLURM's tools
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
@@ -182,6 +189,7 @@ def test_deepspeed_zero3_offload_online_sharded_target_through_the_slurm_script(
                 "model.zero3=gpu"], env)
     assert "1 node(s) x 2 GPU(s), rendezvous localhost" in out and "ds_zero3_offload.json" in out
     params = _check_run(out, recipe, tmp_path / "sync", "DeepSpeedEngine", 3)
+    assert out.count("local_params=0") == 2, "ZeRO-3 left whole parameters on a rank"
     _assert_close_to(ddp_params, params, "ZeRO-3 offload, online features from a sharded target")
 
 

@@ -42,6 +42,9 @@ def test_overrides_are_typed_and_nested(tmp_path):
         ("data.sources=[{builtn: mtbench}]", ["data.sources.0.builtn", "builtin", "domain_field"]),
         ("bogus.key=1", ["'bogus'", "allowed here", "generate"]),
         ("model.dtype=fp8", ["model.dtype", "bfloat16"]),
+        # engines concatenate aux layers in ascending layer order: another order would permute fc's columns silently
+        ("collect.aux_layer_ids=[27,2,15]", ["collect.aux_layer_ids", "strictly ascending", "[2, 15, 27]"]),
+        ("train.dspark.aux_layer_ids=[3,3]", ["train.dspark.aux_layer_ids", "strictly ascending"]),
     ],
 )
 def test_errors_name_the_key_and_what_is_allowed(override, needles):

@@ -61,9 +61,9 @@ def test_a_memory(plan_a):
     #   inputs: 160*4*64*4 (features) + 160*64*4 (fc) + 160*256*4 (teacher) = 368,640
     # 368,640 + 3*696,320 + 2*819,200 + 245,760 + 3*737,280 = 6,553,600
     assert m["activations (TTT unroll)"] == 6_553_600
-    assert m["teacher lm_head (bf16)"] == 2 * 384 * 64 == 49_152
+    assert m["teacher lm_head (fp32)"] == 4 * 384 * 64 == 98_304
     assert m["teacher logits (one chunk)"] == 160 * 384 * 8 == 491_520
-    assert plan_a.drafters[0]["memory_total_bytes"] == 8_908_816
+    assert plan_a.drafters[0]["memory_total_bytes"] == 8_957_968
 
 
 def test_a_flops(plan_a):
@@ -159,11 +159,11 @@ def test_b_eagle3(plan_b):
     #   its stacked diagonal 6*2*16*64*4096*2 = 100,663,296
     #   heads 7*(4096*8000*10 + 4096*2304*2) = 2,425,880,576
     assert m["activations (TTT unroll)"] == 4_043_833_344
-    assert m["teacher logits (one chunk)"] == 2048 * 32000 * 6 == 393_216_000
+    assert m["teacher logits (one chunk)"] == 2048 * 32000 * 8 == 524_288_000
     assert m["target weights (bf16)"] == 245_924_864 * 2 / 8 == 61_481_216
     # one forward's working set: 4096 * ((4+1)*1024 + 4*1024 + 2*2816) * 2 = 121,634,816
     assert m["target forward"] == 121_634_816
-    assert d["memory_total_bytes"] == pytest.approx(4_847_838_339.75)
+    assert d["memory_total_bytes"] == pytest.approx(5_044_446_339.75)  # fp32 teacher head and logits
     f = d["flops_per_token"]
     assert f["drafter"] == 6 * 25_760_257 * 7 == 1_081_930_794
     assert f["drafter attention"] == 16 * 64 * 768 * (6 + 72) == 61_341_696
@@ -188,7 +188,7 @@ def test_b_dspark(plan_b):
     #   mask 1024*(2048 + 512) = 2,621,440; inputs 2*4096*1024*2 = 16,777,216
     #   heads 1024*8000*10 + 1024*8128*2 + 1024*8000*4 + 1024*1152*2 = 133,693,440
     assert m["activations (anchor blocks)"] == 265_289_728
-    assert d["memory_total_bytes"] == pytest.approx(707_495_843.75)
+    assert d["memory_total_bytes"] == pytest.approx(773_031_843.75)  # fp32 teacher head
     f = d["flops_per_token"]
     # ρ = 64 anchors * 8 / 768 = 2/3 block slots per context token
     assert f["drafter (context)"] == 6 * (2 * 1024 * 1024 + 2 * 2 * 1024 * 256) == 18_874_368

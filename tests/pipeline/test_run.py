@@ -107,3 +107,5 @@ def test_run_under_torchrun_shares_the_stages_out(tmp_path, tiny_recipe):
     ev = json.loads((run / "eval" / "eval.json").read_text())
     assert ev["settings"]["processes"] == 2 and ev["runs"][0]["overall"]["none"]["prompts"] == 24
     assert json.loads((run / "train" / "eagle3" / "manifest.json").read_text())["world_size"] == 2
+    # DSpark's calibration is shared over the ranks too (one rank alone would keep the other waiting in a collective)
+    assert json.loads((run / "train" / "dspark" / "final" / "calibration.json").read_text())["ranks"] == 2

@@ -142,13 +142,39 @@ def test_two_ranks_ddp_and_deepspeed_zero2_match_one_process(workspace, tmp_path
             assert abs(a - b) < 1e-4 * abs(b), (name, losses, ref_losses)
 
 
+def test_deepspeed_bf16_with_wandb_saves_fp32_and_keeps_the_process_group(workspace, tmp_path):
+    """2 ranks, DeepSpeed ZeRO-2 in bf16, wandb logging: training ends without destroying the process group (the
+    worker meets the other rank afterwards, as the next family and stage do), and the saved drafter is fp32."""
+    pytest.importorskip("wandb")
+    cfg = _cfg(workspace, tmp_path / "ds", "train.max_steps=2", "train.report_to=wandb", "train.mixed_precision=bf16")
+    recipe = tmp_path / "ds.yaml"
+    recipe.write_text(json.dumps(cfg.dump()))
+    stdout = _torchrun(recipe, tmp_path / "ds", {"DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+                       f"train.deepspeed={Path('launch/ds_zero2.json').resolve()}")
+    assert "WORLD 2 DeepSpeedEngine" in stdout
+    saved = load_file(str(cfg.run_path / "train" / "eagle3" / "final" / "model.safetensors"))
+    assert {t.dtype for k, t in saved.items() if t.is_floating_point()} == {torch.float32}
+
+
+def test_a_rank_that_could_never_step_is_refused(workspace, tmp_path):
+    """Fewer batches per epoch than train.gradient_accumulation: no optimizer step could ever happen (an untrained
+    final/ with steps 0, or an endless loop under max_steps): a clear error instead."""
+    with pytest.raises(StageError, match="never step"):
+        train_stage.run_train(_cfg(workspace, tmp_path / "epochs", "train.gradient_accumulation=64", "train.epochs=1"))
+    assert not (tmp_path / "epochs" / "run" / "train" / "eagle3" / "final").exists()
+    with pytest.raises(StageError, match="never step"):
+        train_stage.run_train(_cfg(workspace, tmp_path / "steps", "train.gradient_accumulation=64", "train.max_steps=2"))
+
+
 def test_online_features_train_like_offline(workspace, tmp_path):
     offline = _cfg(workspace, tmp_path / "off", "train.max_steps=3")
     train_stage.run_train(offline)
     online = _cfg(workspace, tmp_path / "on", "train.max_steps=3", "train.features=online")
     shutil.rmtree(online.run_path / "features")  # online must not need the store
     train_stage.run_train(online)
-    for (s1, a), (s2, b) in zip(_losses(offline.run_path), _losses(online.run_path)):
+    off, on = _losses(offline.run_path), _losses(online.run_path)
+    assert [s for s, _ in off] == [s for s, _ in on] == [1, 2, 3]  # zip would hide a missing or extra step
+    for (s1, a), (s2, b) in zip(off, on):
         assert s1 == s2 and abs(a - b) < 1e-4 * abs(a)
 
 

@@ -14,11 +14,16 @@ if __name__ == "__main__":
     cfg = load_config(recipe, sys.argv[3:])
     trainer = Trainer(cfg)
     trainer.train()
+    trainer.accelerator.wait_for_everyone()  # the process group outlives training (later families and stages use it)
     rank = trainer.accelerator.process_index
-    state = trainer.accelerator.get_state_dict(trainer.model, unwrap=True)  # gathered under ZeRO-3
-    params = {n: p.detach().cpu().contiguous() for n, p in trainer.unwrapped().named_parameters() if p.requires_grad}
-    if not all(p.numel() for p in params.values()):  # ZeRO-3 keeps only partitions locally: use the gathered copy
-        params = {n: state[n].cpu().contiguous() for n in params}
+    trainable = [(n, p) for n, p in trainer.unwrapped().named_parameters() if p.requires_grad]
+    if any(hasattr(p, "ds_id") for _, p in trainable):  # ZeRO-3 keeps partitions: every rank gathers the whole
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in trainable], modifier_rank=None):
+            params = {n: p.detach().cpu().clone().contiguous() for n, p in trainable}
+    else:
+        params = {n: p.detach().cpu().contiguous() for n, p in trainable}
     save_file(params, str(out / f"rank{rank}.safetensors"))
     print(f"WORLD {trainer.accelerator.num_processes} {type(trainer.model).__name__}", flush=True)
     close_process_group()  # as the CLI does at the end of every stage

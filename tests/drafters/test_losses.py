@@ -1,0 +1,46 @@
+"""The teacher and the losses built on it: fp32 logits whatever the autocast, and `tv` / `accept` measured
+against the target's full-vocabulary distribution (the one acceptance is decided by)."""
+
+import torch
+
+from drafters.losses import acceptance, position_losses, teacher_from_final
+
+V, D, H = 300, 64, 32
+
+
+def _case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randn(V, H, generator=g) * 2.0  # logits of ~±20: where bf16 rounding moves probabilities
+    final = torch.randn(2, 5, H, generator=g)
+    draft_ids = torch.randperm(V, generator=g)[:D].sort().values
+    logits = torch.randn(2, 5, D, generator=g) * 3
+    return head, final, draft_ids, logits
+
+
+def test_tv_and_accept_are_the_full_vocabulary_acceptance():
+    head, final, draft_ids, logits = _case()
+    for temperature in (0.7, 1.0):
+        teacher = teacher_from_final(final, head, draft_ids, temperature)
+        alpha = acceptance(logits, teacher, draft_ids, temperature)
+        # the renormalized soft labels would overstate acceptance by the mass outside the draft vocab
+        assert (teacher.exact.sum(-1) < 0.9).any()
+        torch.testing.assert_close(position_losses(logits, teacher, "tv", temperature), 1 - alpha, rtol=0, atol=1e-6)
+        torch.testing.assert_close(position_losses(logits, teacher, "accept", temperature), -torch.log(alpha.clamp_min(1e-9)),
+                                   rtol=0, atol=1e-5)
+        # and tv is the total variation over the full vocabulary
+        p = torch.softmax(final @ head.T / temperature, -1)
+        q = torch.zeros_like(p)
+        q[..., draft_ids] = torch.softmax(logits / temperature, -1)
+        torch.testing.assert_close(position_losses(logits, teacher, "tv", temperature), 0.5 * (p - q).abs().sum(-1),
+                                   rtol=0, atol=1e-5)
+
+
+def test_the_teacher_is_fp32_inside_a_bf16_autocast_region():
+    head, final, draft_ids, _ = _case(1)
+    reference = teacher_from_final(final.double(), head.double(), draft_ids, 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        teacher = teacher_from_final(final, head, draft_ids, 1.0)
+    assert teacher.probs.dtype == torch.float32
+    torch.testing.assert_close(teacher.probs, reference.probs.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(teacher.exact, reference.exact.float(), rtol=0, atol=1e-5)
+    assert torch.equal(teacher.argmax, reference.argmax)
