@@ -1,11 +1,13 @@
 """Sizing `draftsmith run` to a wall-time budget from this machine's measured speed (`budget.minutes`).
 
-A run's stages cost what the machine's speed at three kinds of work makes them cost: `generate` is batched
-decoding, `collect` and `train` are large matrix products over many tokens (prefill-like), and `eval` is
-one-token decoding at batch 1. So before the first stage, the target runs three short probes of exactly that
-work (seconds each), and every stage's time is predicted from one measured run of the same recipe (the
-`budget.reference`): its time there, times the ratio of the probe here to the probe there, times the ratio of
-the sizes. The data stages scale with `generate.synthesize`, eval with `eval.max_prompts_per_domain`.
+A run's stages cost what the machine's speed at four kinds of work makes them cost: `generate` is batched
+generation, `collect` the target's forward over many tokens (prefill), `train` a drafter's training step (in the
+precision the trainer picks), and `eval` one-token and verification passes at batch 1; each stage also loads the
+target. So before the first stage the target is loaded (timed) and four short probes of exactly that work run
+(seconds each), and every stage's time is predicted from one measured run of the same recipe (the
+`budget.reference`): its loads at this machine's load time, plus the rest of its time there times the ratio of
+the probe here to the probe there, times the ratio of the sizes. The data stages scale with
+`generate.synthesize`, eval with `eval.max_prompts_per_domain`.
 
 The sizes are then chosen so that the prediction fills `safety` of the budget: eval keeps the recipe's prompts
 per domain while it fits in `eval_share` of the budget (never fewer than one), and the data gets the rest, from
@@ -36,17 +38,23 @@ from pipeline.errors import StageError
 log = logging.getLogger(__name__)
 
 DATA_STAGES = ("generate", "collect", "train")
-PROBE_OF = {"generate": "gen_step", "collect": "prefill", "train": "prefill", "eval": "decode", "export": None}
+PROBE_OF = {"generate": "gen_step", "collect": "prefill", "train": "train_step", "eval": "decode", "export": None}
 
 
 @dataclass
 class Probes:
     gen_step: float
-    """Seconds per decoding step of a `generate.batch_size` batch after a 64-token prompt."""
+    """Seconds per new token of transformers' `generate` over a `generate.batch_size` batch of 16-token prompts."""
     prefill: float
     """Seconds per forward over 2 x 256 tokens."""
     decode: float
-    """Seconds per one-token pass of eval's target runner (batch 1, aux hooks on) after a 64-token prompt."""
+    """Seconds for one 1-token and one 6-token pass (a γ = 5 verification) of eval's target runner (batch 1, aux
+    hooks on) after a 64-token prompt."""
+    load: float
+    """Seconds to load the target (each stage does, once per drafter family in `train`)."""
+    train_step: float
+    """Seconds per EAGLE-3 training step (objective, backward, AdamW) over 512 tokens of random features, shaped
+    and in the precision the trainer would use."""
 
 
 def _sync(device: torch.device) -> None:
@@ -54,9 +62,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def measure_probes(model, batch_size: int, aux_ids: list[int] | None = None, repeats: int = 3, steps: int = 6) -> Probes:
-    """The three probes on `model`: each the median of `repeats` timings after one untimed warm-up."""
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of `repeats` calls of fn after one untimed warm-up call (first-call allocations, kernels)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repeats: int = 3, steps: int = 6) -> Probes:
+    """The probes on the target `model`, which took `load` seconds to load (see `Probes`)."""
     from eval.runner import HFTarget
 
     runner = HFTarget(model, aux_ids)  # eval's own target runner: its cache and hooks are what eval pays for
@@ -66,38 +86,70 @@ def measure_probes(model, batch_size: int, aux_ids: list[int] | None = None, rep
     def tokens(rows: int, length: int) -> torch.Tensor:
         return torch.randint(0, model.config.vocab_size, (rows, length), generator=g).to(device)
 
-    def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+    with torch.inference_mode():
+        # batched generation as the HF backend runs it (transformers' generate loop, its cache and processors): the
+        # difference of a long and a short call is the cost of the extra new tokens, without the prompt's prefill
+        ids = tokens(cfg.generate.batch_size, 16)
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
-    runner.reset()  # batched decoding: the generate backend's forward with a KV cache over `batch_size` rows
-    ids = tokens(batch_size, 64)
-    model(input_ids=ids, use_cache=True, **{runner._cache_kw: runner.cache})
-    step = ids[:, -1:]
+        def generate(n: int):
+            return lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                          min_new_tokens=n, do_sample=False, pad_token_id=pad)
 
-    def gen_steps() -> None:
-        for _ in range(steps):
-            model(input_ids=step, use_cache=True, **{runner._cache_kw: runner.cache})
+        gen_step = (_timed(generate(2 + steps), device, repeats) - _timed(generate(2), device, repeats)) / steps
+        prompt = tokens(2, 256)
+        prefill = _timed(lambda: model(input_ids=prompt, use_cache=False), device, repeats)
+        # eval's passes: one token (plain decoding, and the drafters' prefill of verified tokens) and 1+5 tokens (a
+        # γ = 5 verification), through eval's own runner (cache, aux hooks)
+        context = tokens(1, 64)[0].tolist()
+        one, six = context[-1:], context[-6:]
+        runner.reset()
+        runner.step(context)
+        base = runner.length
 
-    gen_step = timed(gen_steps) / steps
-    prompt = tokens(2, 256)
-    prefill = timed(lambda: model(input_ids=prompt, use_cache=False))
-    runner.reset()
-    runner.step(tokens(1, 64)[0].tolist())
-    last = [int(tokens(1, 1))]
+        def eval_passes() -> None:
+            for _ in range(steps // 2):
+                runner.step(one)
+                runner.step(six)
+                runner.rollback(base)  # the cache keeps the same length for every repetition
 
-    def decode_steps() -> None:
-        for _ in range(steps):
-            runner.step(last)
+        decode = _timed(eval_passes, device, repeats) / (steps // 2)
+    return Probes(gen_step=gen_step, prefill=prefill, decode=decode, load=load,
+                  train_step=_timed(_train_step_fn(model, cfg, aux_ids), device, max(1, repeats - 1)))
 
-    return Probes(gen_step=gen_step, prefill=prefill, decode=timed(decode_steps) / steps)
+
+def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512):
+    """One EAGLE-3 training step on random features, as the trainer runs it (shape, objective, autocast, AdamW)."""
+    from drafters.eagle3 import Eagle3Drafter
+    from drafters.objectives import eagle3_objective
+    from drafters.vocab import select_draft_vocab
+    from pipeline.precision import resolve_mixed_precision
+    from pipeline.train import family_settings
+
+    device = next(model.parameters()).device
+    tc = model.config
+    vocab, hidden = tc.vocab_size, tc.hidden_size
+    draft_vocab = min(cfg.train.draft_vocab_size, vocab)
+    g = torch.Generator().manual_seed(0)
+    d2t, t2d = select_draft_vocab(torch.rand(vocab, generator=g), draft_vocab)
+    fs = family_settings(cfg, "eagle3")
+    embed = model.get_input_embeddings().weight.detach().float().cpu()
+    drafter = Eagle3Drafter.from_target(tc, aux_ids, draft_vocab, embed, d2t, t2d, **fs["shape"]).to(device).train()
+    head = model.get_output_embeddings().weight.detach().float()
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    bf16 = resolve_mixed_precision(cfg.train.mixed_precision, device.type == "cuda") == "bf16"
+    batch = {"input_ids": torch.randint(0, vocab, (1, length), generator=g), "ids": ["probe"],
+             "loss_mask": torch.ones(1, length, dtype=torch.uint8), "attention_mask": torch.ones(1, length, dtype=torch.bool),
+             "aux": torch.randn(1, length, len(aux_ids) * hidden, generator=g), "final": torch.randn(1, length, hidden, generator=g)}
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = eagle3_objective(drafter, batch, head, fs["objective"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
 
 
 @dataclass
@@ -114,26 +166,35 @@ class Plan:
         return sum(self.predicted.values())
 
 
+def target_loads(cfg: RunConfig) -> dict[str, int]:
+    """How many times each stage loads the target: a fixed cost per stage that does not scale with its work."""
+    return {"generate": 1, "collect": 1, "train": len(cfg.train.drafters), "eval": 1, "export": 1}
+
+
 def choose_sizes(cfg: RunConfig, probes: Probes, spent: float = 0.0) -> Plan:
-    """The sizes that make the predicted run fill `safety` of the budget less the `spent` seconds (probing)."""
+    """The sizes that make the predicted run fill `safety` of the budget less the `spent` seconds (probing).
+
+    A stage's time = its target loads x the load time here + (its reference time less the reference's loads)
+    x (its probe here / its probe there) x (its size here / its size there)."""
     b, ref = cfg.budget, cfg.budget.reference
     assert b.minutes is not None and ref is not None  # the config refuses minutes without a reference
-    ref_probes = ref.probes
-    # each stage at the reference sizes, on this machine
-    at_ref = {stage: seconds * (getattr(probes, PROBE_OF[stage]) / ref_probes[PROBE_OF[stage]] if PROBE_OF[stage] else 1.0)
-              for stage, seconds in ref.seconds.items()}
-    budget = b.minutes * 60.0 * b.safety - spent
-    eval_per_prompt = at_ref.get("eval", 0.0) / ref.max_prompts_per_domain
+    loads = target_loads(cfg)
+    fixed, work = {}, {}  # per stage: seconds that do not scale, and the scaling part at the reference sizes, here
+    for stage, seconds in ref.seconds.items():
+        fixed[stage] = loads.get(stage, 0) * probes.load
+        ratio = getattr(probes, PROBE_OF[stage]) / ref.probes[PROBE_OF[stage]] if PROBE_OF[stage] else 1.0
+        work[stage] = max(0.0, seconds - loads.get(stage, 0) * ref.probes["load"]) * ratio
+    budget = b.minutes * 60.0 * b.safety - spent - sum(fixed.values())
+    eval_per_prompt = work.get("eval", 0.0) / ref.max_prompts_per_domain
     wanted = cfg.eval.max_prompts_per_domain or ref.max_prompts_per_domain
     fits = math.floor(b.eval_share * budget / eval_per_prompt) if eval_per_prompt > 0 else wanted
     prompts = max(1, min(wanted, fits))
-    data_per_prompt = sum(at_ref.get(s, 0.0) for s in DATA_STAGES) / ref.synthesize
-    left = budget - prompts * eval_per_prompt - at_ref.get("export", 0.0)
+    data_per_prompt = sum(work.get(s, 0.0) for s in DATA_STAGES) / ref.synthesize
+    left = budget - prompts * eval_per_prompt - work.get("export", 0.0)
     most = math.floor(cfg.generate.synthesize * b.max_data_scale)
     synthesize = max(b.min_synthesize, min(most, math.floor(left / data_per_prompt)))
-    scale = synthesize / ref.synthesize
-    predicted = {stage: seconds * (scale if stage in DATA_STAGES else prompts / ref.max_prompts_per_domain if stage == "eval" else 1.0)
-                 for stage, seconds in at_ref.items()}
+    size = {s: synthesize / ref.synthesize for s in DATA_STAGES} | {"eval": prompts / ref.max_prompts_per_domain}
+    predicted = {stage: fixed[stage] + work[stage] * size.get(stage, 1.0) for stage in ref.seconds}
     return Plan(synthesize, prompts, predicted, probes, b.minutes * 60.0)
 
 
@@ -157,12 +218,13 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
         else:
             from pipeline.target import load_model
 
-            t0 = time.perf_counter()
-            model = load_model(cfg.model)
             from data.features import resolve_aux_ids
 
+            t0 = time.perf_counter()
+            model = load_model(cfg.model)
+            load = time.perf_counter() - t0
             aux = resolve_aux_ids(cfg.collect.aux_layer_ids, model.config.num_hidden_layers)
-            probes = measure_probes(model, cfg.generate.batch_size, aux)
+            probes = measure_probes(model, cfg, aux, load)
             del model
             plan = choose_sizes(cfg, probes, spent=time.perf_counter() - t0)
             earlier = {
@@ -192,7 +254,8 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
 
 
 def _fmt(p: Probes) -> str:
-    return f"gen_step {p.gen_step * 1e3:.1f} ms, prefill {p.prefill * 1e3:.0f} ms, decode {p.decode * 1e3:.1f} ms"
+    return (f"gen_step {p.gen_step * 1e3:.1f} ms, prefill {p.prefill * 1e3:.0f} ms, decode {p.decode * 1e3:.1f} ms, "
+            f"train_step {p.train_step * 1e3:.0f} ms, load {p.load:.1f} s")
 
 
 def record_actuals(cfg: RunConfig, record: dict[str, Any], seconds: dict[str, float], total: float) -> dict[str, Any]:

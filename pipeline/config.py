@@ -386,8 +386,8 @@ class BudgetReference(Section):
     """One measured run of this recipe: what the budget scales from."""
     seconds: dict[Literal["generate", "collect", "train", "eval", "export"], float]
     """Wall time of each stage in that run."""
-    probes: dict[Literal["gen_step", "prefill", "decode"], float] = Field(min_length=3)
-    """The probe figures (pipeline/budget.py) of the machine that run was on."""
+    probes: dict[Literal["gen_step", "prefill", "decode", "train_step", "load"], float] = Field(min_length=5)
+    """The probe figures (pipeline/budget.py: `Probes`) of the machine that run was on."""
     synthesize: int = Field(ge=1)
     """generate.synthesize of that run (the data stages scale with it)."""
     max_prompts_per_domain: int = Field(ge=1)

@@ -111,3 +111,50 @@ def test_lm_head_starts_from_the_targets_rows_of_the_draft_vocab():
     seeded = Eagle3Drafter.from_target(tcfg, [1, 2, 3], 41, embed, d2t, t2d, head_weight=head)
     assert torch.equal(seeded.lm_head.weight, head[draft_to_target_ids(d2t)])
     assert seeded.lm_head.weight.requires_grad and not torch.equal(fresh.lm_head.weight, seeded.lm_head.weight)
+
+
+class _PerfectDrafter(torch.nn.Module):
+    """Returns, at step i and slot t, exactly the teacher's distribution at position t+1+i: what a drafter that
+    matches the target outputs when the objective aligns tokens, teacher and mask as EAGLE-3 does."""
+
+    def __init__(self, teacher_logprobs, vocab):
+        super().__init__()
+        self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long))  # full draft vocabulary
+        self.logp = teacher_logprobs
+
+    def forward(self, aux, input_ids, steps, checkpoint=False):
+        T = self.logp.shape[1]
+        outs = []
+        for i in range(steps):
+            shifted = torch.cat([self.logp[:, 1 + i:], self.logp[:, :1 + i].flip(1)], dim=1)[:, :T]
+            outs.append((shifted, torch.zeros(shifted.shape[:2])))
+        return outs
+
+
+def test_the_objectives_offsets_slot_t_at_step_i_predicts_token_t_plus_2_plus_i():
+    """Pinned against an off-by-one: a drafter that outputs the teacher at position t+1+i for slot t of step i is
+    right everywhere the mask counts (accuracy 1, soft-label loss = the teacher's entropy), and the mask counts
+    slot t of step i exactly when token t+2+i is supervised."""
+    from drafters.losses import teacher_from_final
+    from drafters.objectives import ObjectiveSettings, eagle3_objective
+
+    V, H, B, T, steps = 11, 8, 2, 12, 3
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(V, H, generator=g, dtype=torch.float64) * 3
+    final = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    loss_mask = torch.zeros(B, T, dtype=torch.uint8)
+    loss_mask[0, 4:10] = 1
+    loss_mask[1, 2:12] = 1
+    batch = {"input_ids": torch.randint(0, V, (B, T), generator=g), "loss_mask": loss_mask,
+             "attention_mask": torch.ones(B, T, dtype=torch.bool), "aux": torch.zeros(B, T, 3), "final": final}
+    teacher = teacher_from_final(final, head, torch.arange(V), 1.0)
+    model = _PerfectDrafter(teacher.probs.log(), V)
+    s = ObjectiveSettings(steps=steps, temperature=1.0, confidence_weight=0.0)
+    _, stats = eagle3_objective(model, batch, head, s)
+    for i in range(steps):
+        expected_n = sum(int(loss_mask[b, t + 2 + i]) for b in range(B) for t in range(T - 2 - i))
+        assert stats[f"n_{i}"] == expected_n, i
+        assert stats[f"acc_{i}"] == stats[f"n_{i}"], i  # every counted slot predicts its token's teacher argmax
+        entropy = sum(float(-(teacher.probs[b, t + 1 + i] * teacher.probs[b, t + 1 + i].log()).sum())
+                      for b in range(B) for t in range(T - 2 - i) if loss_mask[b, t + 2 + i])
+        assert abs(float(stats[f"loss_{i}"]) - entropy) < 1e-6, i

@@ -2,6 +2,7 @@
 on an exactly solvable bigram target, with and without adaptive length), and greedy decoding commits exactly
 the target's greedy tokens on a real HF model."""
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -43,22 +44,60 @@ def _tiny_dspark(vocab=3, draft_vocab=3, hidden=16, aux=(1, 2, 3), target_hidden
     return model
 
 
-@pytest.mark.parametrize("threshold", [None, 0.45])
-def test_sampling_with_dspark_blocks_emits_the_targets_distribution(threshold):
-    drafter = _tiny_dspark()
-    gen = torch.Generator().manual_seed(0)
+def _emitted_dspark(proposer, n=5000, seed=0, tokens=4):
+    gen = torch.Generator().manual_seed(seed)
     target = FeatureBigramTarget(P, 3 * 8)
-    proposer = DSparkProposer(drafter, confidence_threshold=threshold)
     counts, accepted, drafted = Counter(), 0, 0
-    n = 6000
     for _ in range(n):
-        r = decode(target, proposer, [0], SamplingParams(temperature=1.0), 3, 2, generator=gen)
-        counts[tuple(r.tokens[:2])] += 1
+        r = decode(target, proposer, [0], SamplingParams(temperature=1.0), 3, tokens, generator=gen)
+        counts[tuple(r.tokens[:tokens])] += 1
         drafted += sum(d for d, _ in r.rounds)
         accepted += sum(a for _, a in r.rounds)
-    exact = {(a, b): float(P[0, a] * P[a, b]) for a in range(3) for b in range(3)}
-    assert chi_square_pvalue(counts, exact) > 1e-3, counts
+    return counts, accepted, drafted
+
+
+def _exact(tokens=4):
+    out = {}
+    for seq in itertools.product(range(3), repeat=tokens):
+        prob, prev = 1.0, 0
+        for x in seq:
+            prob *= float(P[prev, x])
+            prev = x
+        out[seq] = prob
+    return out
+
+
+@pytest.mark.parametrize("threshold", [None, 0.45])
+def test_sampling_with_dspark_blocks_emits_the_targets_distribution(threshold):
+    """Four emitted tokens: the prefill's, then a block whose slots 1 and 2 decide the third and fourth whenever
+    the earlier slots are accepted (two tokens would only ever see slot 0)."""
+    counts, accepted, drafted = _emitted_dspark(DSparkProposer(_tiny_dspark(), confidence_threshold=threshold))
+    assert chi_square_pvalue(counts, _exact()) > 1e-3, counts
     assert 0.1 * drafted < accepted < 0.9 * drafted  # both the accept and the reject branch were exercised
+
+
+class AnticipatingStop(DSparkProposer):
+    """Mutant: an adaptive stop that reads the drafted token itself (drops a last draft that came out as 1)."""
+
+    def propose(self, history, k, params, gen):
+        drafts, q, confs = super().propose(history, k, params, gen)
+        if len(drafts) > 1 and drafts[-1] == 1:
+            return drafts[:-1], q[:-1], confs[:-1]
+        return drafts, q, confs
+
+
+class LaterSlotsFromSlotZero(DSparkProposer):
+    """Mutant: reports slot 0's q for every slot (p and q of different positions from slot 1 on)."""
+
+    def propose(self, history, k, params, gen):
+        drafts, q, confs = super().propose(history, k, params, gen)
+        return drafts, q[:1].expand_as(q).clone(), confs
+
+
+@pytest.mark.parametrize("mutant", [AnticipatingStop, LaterSlotsFromSlotZero])
+def test_the_dspark_sampling_test_rejects_mutants(mutant):
+    counts, _, _ = _emitted_dspark(mutant(_tiny_dspark(), confidence_threshold=None), seed=3)
+    assert chi_square_pvalue(counts, _exact()) < 1e-6
 
 
 def test_adaptive_length_uses_only_earlier_positions():

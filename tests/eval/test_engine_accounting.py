@@ -18,17 +18,17 @@ from eval.tree import Tree
 
 
 @pytest.fixture(scope="module")
-def tiny64(tiny_tok):
+def tiny64(tiny_tok, test_device):
     from pipeline.tiny import tiny_llama
 
-    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64)
+    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
 
 
 def plain_greedy(model, prompt, n, stops=()):
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
             if ids[-1] in stops:
                 break
     return ids[len(prompt):]
@@ -101,7 +101,7 @@ def test_drafting_time_includes_the_drafter_update_after_verification(tiny64):
 def test_trees_and_batches_record_draft_and_verify_time(tiny64, monkeypatch):
     from tests.eval.test_exactness import _eagle3
 
-    drafter = _eagle3(tiny64)
+    drafter = _eagle3(tiny64).to(tiny64.device)
     r = decode(HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids), Eagle3Proposer(drafter), [5, 6, 7], SamplingParams(),
                0, 10, tree=TreeSpec(depth=3, top_k=2, total=6))
     assert r.draft_seconds > 0 and r.verify_seconds > 0
@@ -119,10 +119,10 @@ def test_trees_and_batches_record_draft_and_verify_time(tiny64, monkeypatch):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_tree_logits_equal_each_paths_plain_forward(tiny_tok, attn):
+def test_tree_logits_equal_each_paths_plain_forward(tiny_tok, attn, test_device):
     from pipeline.tiny import tiny_llama
 
-    model = tiny_llama(tiny_tok, seed=0, num_layers=2, dtype=torch.float64)
+    model = tiny_llama(tiny_tok, seed=0, num_layers=2, dtype=torch.float64).to(test_device)
     model.set_attn_implementation(attn)
     prompt, root = [5, 9, 13, 40], 77
     tree = Tree([11, 12, 21, 22, 31], [-1, -1, 0, 0, 2], [1, 1, 2, 2, 3], [-1.0, -2.0, -1.5, -3.0, -2.5])
@@ -131,9 +131,9 @@ def test_tree_logits_equal_each_paths_plain_forward(tiny_tok, attn):
     target.step(prompt)
     logits, _ = target.step_tree(root, tree)
     with torch.no_grad():
-        whole = model(torch.tensor([prompt + [root]])).logits[0, -1]
+        whole = model(torch.tensor([prompt + [root]], device=model.device)).logits[0, -1]
         torch.testing.assert_close(logits[0], whole.float(), rtol=1e-6, atol=1e-6)
         for i in range(len(tree)):
             path = [tree.tokens[a] for a in tree.ancestors(i)]
-            plain = model(torch.tensor([prompt + [root] + path])).logits[0, -1]
+            plain = model(torch.tensor([prompt + [root] + path], device=model.device)).logits[0, -1]
             torch.testing.assert_close(logits[1 + i], plain.float(), rtol=1e-6, atol=1e-6, msg=f"node {i} ({attn})")

@@ -11,8 +11,9 @@ from pipeline.cli import main
 from pipeline.config import ConfigError, load_config
 
 REFERENCE = ("budget.reference={seconds: {generate: 300, collect: 60, train: 600, eval: 400, export: 5}, "
-             "probes: {gen_step: 0.05, prefill: 0.2, decode: 0.03}, synthesize: 160, max_prompts_per_domain: 2}")
-SAME = Probes(gen_step=0.05, prefill=0.2, decode=0.03)
+             "probes: {gen_step: 0.05, prefill: 0.2, decode: 0.03, train_step: 0.5, load: 0.0}, synthesize: 160, "
+             "max_prompts_per_domain: 2}")
+SAME = Probes(gen_step=0.05, prefill=0.2, decode=0.03, train_step=0.5, load=0.0)
 
 
 def _cfg(minutes, *overrides):
@@ -28,29 +29,44 @@ def test_the_reference_machine_gets_the_reference_sizes_when_the_budget_is_the_r
 
 
 def test_a_slower_machine_gets_less_data_and_each_stage_scales_with_its_own_probe():
-    slow = Probes(gen_step=0.10, prefill=0.8, decode=0.03)  # 2x slower batched decoding, 4x slower prefill
+    # 2x slower batched decoding, 4x slower prefill, 1.5x slower training steps
+    slow = Probes(gen_step=0.10, prefill=0.8, decode=0.03, train_step=0.75, load=0.0)
     plan = choose_sizes(_cfg(25), slow)
     budget = 25 * 60 * 0.9
     # eval costs the same here, so it keeps its 2 prompts; the data gets what is left
-    per_prompt = (300 * 2 + 60 * 4 + 600 * 4) / 160
+    per_prompt = (300 * 2 + 60 * 4 + 600 * 1.5) / 160
     assert plan.max_prompts_per_domain == 2
     assert plan.synthesize == int((budget - 400 - 5) // per_prompt)
-    assert plan.predicted["train"] == pytest.approx(600 * 4 * plan.synthesize / 160)
+    assert plan.predicted["train"] == pytest.approx(600 * 1.5 * plan.synthesize / 160)
+    assert plan.predicted["collect"] == pytest.approx(60 * 4 * plan.synthesize / 160)
     assert plan.total <= budget
 
 
 def test_eval_gives_up_prompts_before_the_data_does_and_never_goes_below_one():
-    slow_decode = Probes(gen_step=0.05, prefill=0.2, decode=0.09)  # eval 3x slower: 1200 s for 2 prompts/domain
+    slow_decode = Probes(gen_step=0.05, prefill=0.2, decode=0.09, train_step=0.5, load=0.0)  # eval 3x slower: 1200 s for 2 prompts/domain
     plan = choose_sizes(_cfg(25), slow_decode)
     assert plan.max_prompts_per_domain == 1  # 600 s per prompt fits 0.3 of the budget once
-    hopeless = Probes(gen_step=0.05, prefill=0.2, decode=0.5)
+    hopeless = Probes(gen_step=0.05, prefill=0.2, decode=0.5, train_step=0.5, load=0.0)
     assert choose_sizes(_cfg(25), hopeless).max_prompts_per_domain == 1
 
 
+def test_each_stage_pays_its_target_loads_here_and_scales_only_the_rest():
+    """Loading the target is a fixed cost per stage (per family in train): it is charged at this machine's load time
+    and kept out of what scales with the sizes."""
+    cfg = load_config(None, ["budget.minutes=25", REFERENCE.replace("load: 0.0", "load: 10.0"), "generate.synthesize=160",
+                             "eval.max_prompts_per_domain=2", "train.drafters=[eagle3, dspark]"])
+    plan = choose_sizes(cfg, Probes(gen_step=0.05, prefill=0.2, decode=0.03, train_step=0.5, load=30.0))
+    scale = plan.synthesize / 160
+    assert plan.predicted["generate"] == pytest.approx(30 + (300 - 10) * scale)
+    assert plan.predicted["train"] == pytest.approx(2 * 30 + (600 - 2 * 10) * scale)
+    assert plan.predicted["eval"] == pytest.approx(30 + (400 - 10) * plan.max_prompts_per_domain / 2)
+    assert plan.total <= 25 * 60 * 0.9
+
+
 def test_the_data_is_capped_on_fast_machines_and_floored_on_slow_ones():
-    fast = Probes(gen_step=0.001, prefill=0.001, decode=0.001)
+    fast = Probes(gen_step=0.001, prefill=0.001, decode=0.001, train_step=0.001, load=0.0)
     assert choose_sizes(_cfg(25, "budget.max_data_scale=4"), fast).synthesize == 640
-    crawl = Probes(gen_step=5.0, prefill=5.0, decode=0.03)
+    crawl = Probes(gen_step=5.0, prefill=5.0, decode=0.03, train_step=5.0, load=0.0)
     plan = choose_sizes(_cfg(25, "budget.min_synthesize=24"), crawl)
     assert plan.synthesize == 24 and plan.total > 25 * 60  # reported as over budget, not silently shrunk to nothing
 
@@ -63,7 +79,8 @@ def test_minutes_without_a_reference_is_refused():
 def test_probes_run_on_a_real_target(tiny_target_dir):
     from pipeline.target import load_model
 
-    probes = measure_probes(load_model(load_config(None, [f"model.target={tiny_target_dir}"]).model), batch_size=4, aux_ids=[1, 2])
+    cfg = load_config(None, [f"model.target={tiny_target_dir}", "generate.batch_size=4", "train.draft_vocab_size=200"])
+    probes = measure_probes(load_model(cfg.model), cfg, aux_ids=[1, 2], load=1.0)
     assert all(v > 0 for v in vars(probes).values())
 
 
@@ -84,7 +101,8 @@ budget:
   minutes: 1
   min_synthesize: 8
   reference: {{seconds: {{generate: 3600, collect: 3600, train: 3600, eval: 3600, export: 1}},
-              probes: {{gen_step: 1.0e-9, prefill: 1.0e-9, decode: 1.0e-9}}, synthesize: 40, max_prompts_per_domain: 3}}
+              probes: {{gen_step: 1.0e-9, prefill: 1.0e-9, decode: 1.0e-9, train_step: 1.0e-9, load: 1.0e-9}}, synthesize: 40,
+              max_prompts_per_domain: 3}}
 """)
     run = tmp_path / "run"
     assert main(["run", str(recipe), f"run_dir={run}"]) == 0

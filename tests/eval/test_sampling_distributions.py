@@ -1,0 +1,209 @@
+"""Emitted-token distributions under the settings users serve with: T != 1 with top-p and top-k, the q a trained
+drafter really samples from, and batched decoding at T > 0. Each test compares the first three emitted tokens
+with the target's exact distribution (chi-square), and each has mutants of the code it covers that it must reject:
+that is what shows it has the power to catch them."""
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+import eval.batch as batch_mod
+from eval.batch import decode_batch
+from eval.engine import decode
+from eval.proposers import TrainedProposer
+from eval.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from eval.verify import residual, sampling_verify
+from tests.eval.test_exactness import BigramTarget, chi_square_pvalue
+
+PARAMS = SamplingParams(temperature=0.7, top_p=0.85, top_k=3)  # every processing step changes the distribution
+
+# a 5-token bigram target and a perturbed drafter over the same tokens (log-probabilities as logits)
+P5 = torch.tensor([[0.40, 0.25, 0.15, 0.12, 0.08], [0.10, 0.45, 0.20, 0.15, 0.10], [0.30, 0.10, 0.35, 0.15, 0.10],
+                   [0.25, 0.25, 0.20, 0.20, 0.10], [0.05, 0.15, 0.30, 0.20, 0.30]], dtype=torch.float64)
+Q5 = torch.tensor([[0.20, 0.40, 0.10, 0.20, 0.10], [0.30, 0.30, 0.25, 0.10, 0.05], [0.15, 0.20, 0.40, 0.15, 0.10],
+                   [0.10, 0.40, 0.30, 0.10, 0.10], [0.20, 0.20, 0.20, 0.10, 0.30]], dtype=torch.float64)
+
+
+def pooled_pvalue(counts: Counter, probs: dict, min_expected: float = 5.0) -> float:
+    """Chi-square p-value, with the cells expected fewer than `min_expected` times pooled into one; 0 when a
+    sequence the target cannot emit was emitted."""
+    if any(k not in probs for k in counts):
+        return 0.0
+    n = sum(counts.values())
+    big = {k: p for k, p in probs.items() if n * p >= min_expected}
+    small = [k for k in probs if k not in big]
+    merged = Counter({k: counts.get(k, 0) for k in big})
+    table = dict(big)
+    if small:
+        merged["rest"] = sum(counts.get(k, 0) for k in small)
+        table["rest"] = sum(probs[k] for k in small)
+    return chi_square_pvalue(merged, table)
+
+
+def exact_bigram(table, params, prompt_token=0, n=3):
+    rows = probs_from_logits(table.log(), params)
+    out = {}
+    for seq in itertools.product(range(table.shape[0]), repeat=n):
+        prob, prev = 1.0, prompt_token
+        for x in seq:
+            prob *= float(rows[prev, x])
+            prev = x
+        if prob > 0:
+            out[seq] = prob
+    return out
+
+
+class BigramTrained(TrainedProposer):
+    """A trained-drafter proposer whose 'drafter' is the Q5 bigram: propose() drafts as Eagle3Proposer does (one
+    `_draw` per position from draft-vocab logits), so the q that reaches the verifier is the real code's."""
+
+    def __init__(self, table):
+        self.logits = table.log()
+        self.ids = torch.arange(table.shape[0])
+        self.vocab, self.device, self.threshold = table.shape[0], torch.device("cpu"), None
+
+    def propose(self, history, k, params, gen):
+        x, drafts, qs = history[-1], [], []
+        for _ in range(k):
+            x, q = self._draw(self.logits[x], params, gen)
+            drafts.append(x)
+            qs.append(q)
+        return drafts, torch.stack(qs), []
+
+
+class QBeforeProcessing(BigramTrained):
+    """Mutant: samples from the processed distribution but reports the raw softmax as q."""
+
+    def _draw(self, logits, params, gen):
+        x, _ = super()._draw(logits, params, gen)
+        return x, torch.softmax(logits.double(), -1)
+
+
+def verify_p_from_next_position(drafts, q, p, gen):
+    """Mutant: p and q of different positions (the target's row one further on)."""
+    shifted = torch.cat([p[1:], p[-1:]])
+    return sampling_verify(drafts, q, shifted, gen)
+
+
+def verify_resample_from_p(drafts, q, p, gen):
+    """Mutant: on rejection, sample from p instead of the residual."""
+    for i, x in enumerate(drafts):
+        if float(torch.rand((), generator=gen)) < min(1.0, float(p[i, x] / q[i, x])):
+            continue
+        return i, sample(p[i], gen)
+    return len(drafts), sample(p[len(drafts)], gen)
+
+
+def verify_bonus_from_last_draft_row(drafts, q, p, gen):
+    """Mutant: the bonus token drawn from the last drafted position's p instead of the next one."""
+    for i, x in enumerate(drafts):
+        if float(torch.rand((), generator=gen)) < min(1.0, float(p[i, x] / q[i, x])):
+            continue
+        return i, sample(residual(p[i], q[i]), gen)
+    return len(drafts), sample(p[max(len(drafts) - 1, 0)], gen)
+
+
+def emitted_bigram(proposer, verify=sampling_verify, gamma=3, n=20000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    target, counts, accepted = BigramTarget(P5), Counter(), 0
+    for _ in range(n):
+        r = decode(target, proposer, [0], PARAMS, gamma, 3, generator=gen, verify=verify)
+        counts[tuple(r.tokens[:3])] += 1
+        accepted += sum(a for _, a in r.rounds)
+    return counts, accepted
+
+
+def test_processed_sampling_with_a_trained_drafters_q_emits_the_targets_distribution():
+    counts, accepted = emitted_bigram(BigramTrained(Q5))
+    assert accepted > 5000  # the drafts are often accepted: the accept branch is what is being tested
+    assert pooled_pvalue(counts, exact_bigram(P5, PARAMS)) > 1e-3
+
+
+@pytest.mark.parametrize("mutant", ["q_before_processing", "p_from_next_position", "resample_from_p", "bonus_from_last_row"])
+def test_the_processed_sampling_test_rejects_mutants(mutant):
+    proposer = QBeforeProcessing(Q5) if mutant == "q_before_processing" else BigramTrained(Q5)
+    verify = {"p_from_next_position": verify_p_from_next_position, "resample_from_p": verify_resample_from_p,
+              "bonus_from_last_row": verify_bonus_from_last_draft_row}.get(mutant, sampling_verify)
+    counts, _ = emitted_bigram(proposer, verify, n=20000, seed=1)
+    assert pooled_pvalue(counts, exact_bigram(P5, PARAMS)) < 1e-6
+
+
+# ------------------------------------------------------------------------ batched decoding at T > 0, real model
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_tok, test_device):
+    from pipeline.tiny import tiny_llama
+
+    return tiny_llama(tiny_tok, seed=0, num_layers=2, dtype=torch.float64).to(test_device)
+
+
+PROMPTS = [[11, 12, 13, 11, 12, 13, 11, 12], [40, 41, 40, 41, 40]]  # repetitive: prompt lookup finds drafts
+
+
+@torch.no_grad()
+def exact_model(model, prompt, params, n=3):
+    def probs(ids):
+        return probs_from_logits(model(torch.tensor([ids], device=model.device)).logits[0, -1], params)
+
+    out = {}
+
+    def walk(prefix, prob):
+        if len(prefix) == n:
+            out[tuple(prefix)] = prob
+            return
+        p = probs(prompt + prefix)
+        for x in p.nonzero().flatten().tolist():
+            walk(prefix + [x], prob * float(p[x]))
+
+    walk([], 1.0)
+    return out
+
+
+def emitted_batched(model, kind, drafter, samples, seed=0):
+    gen = make_generator(model.device, seed)  # on the model's device, as eval makes it
+    rows = PROMPTS * 4  # 8 rows, the two prompts alternating (of different lengths: ragged)
+    counts = [Counter(), Counter()]
+    accepted = 0
+    for _ in range(samples // 4):
+        for i, r in enumerate(decode_batch(model, rows, kind, PARAMS, 3, 3, (), gen, drafter=drafter)):
+            counts[i % 2][tuple(r.tokens[:3])] += 1
+            accepted += sum(a for _, a in r.rounds)
+    return counts, accepted
+
+
+def _eagle3(model):
+    from drafters.eagle3 import Eagle3Drafter
+    from drafters.vocab import select_draft_vocab
+
+    torch.manual_seed(1)
+    d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 384)
+    return Eagle3Drafter.from_target(model.config, [1, 2], 384, model.get_input_embeddings().weight.cpu(), d2t,
+                                     t2d).double().to(model.device)
+
+
+@pytest.mark.parametrize("kind", ["prompt_lookup", "eagle3"])
+def test_batched_sampling_emits_each_rows_target_distribution(tiny64, kind):
+    drafter = _eagle3(tiny64) if kind == "eagle3" else None
+    counts, accepted = emitted_batched(tiny64, kind, drafter, 1200)
+    if kind == "prompt_lookup":
+        assert accepted > 100  # drafts were accepted, not only rejected
+    for prompt, c in zip(PROMPTS, counts):
+        assert pooled_pvalue(c, exact_model(tiny64, prompt, PARAMS)) > 1e-3, (kind, prompt)
+
+
+@pytest.mark.parametrize("mutant", ["p_from_another_row", "p_from_next_position"])
+def test_the_batched_sampling_test_rejects_mutants(tiny64, monkeypatch, mutant):
+    real_step = batch_mod.BatchedHFTarget.step
+
+    def broken_step(self, tokens, ok):
+        logits, feats = real_step(self, tokens, ok)
+        if mutant == "p_from_another_row":
+            return logits.roll(1, dims=0), feats
+        return torch.cat([logits[:, 1:], logits[:, -1:]], dim=1), feats
+
+    monkeypatch.setattr(batch_mod.BatchedHFTarget, "step", broken_step)
+    counts, _ = emitted_batched(tiny64, "prompt_lookup", None, 600, seed=2)
+    worst = min(pooled_pvalue(c, exact_model(tiny64, prompt, PARAMS)) for prompt, c in zip(PROMPTS, counts))
+    assert worst < 1e-6
