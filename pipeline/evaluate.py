@@ -96,6 +96,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     state = dist_state()
     if state.num_processes > 1:
         log.info("eval: %d ranks, each decoding every %d-th batch of prompts", state.num_processes, state.num_processes)
+
     def run_batch(batch, name, proposer, params, gen, max_new_tokens):
         ids = [p["ids"] for p in batch]
         if e.batch_size == 1:

@@ -64,6 +64,12 @@ class BigramTrained(TrainedProposer):
         self.ids = torch.arange(table.shape[0])
         self.vocab, self.device, self.threshold = table.shape[0], torch.device("cpu"), None
 
+    def start(self, prompt, first, feats):
+        pass
+
+    def commit(self, drafts, n, new, feats):
+        pass
+
     def propose(self, history, k, params, gen):
         x, drafts, qs = history[-1], [], []
         for _ in range(k):
@@ -105,7 +111,7 @@ def verify_bonus_from_last_draft_row(drafts, q, p, gen):
     return len(drafts), sample(p[max(len(drafts) - 1, 0)], gen)
 
 
-def emitted_bigram(proposer, verify=sampling_verify, gamma=3, n=20000, seed=0):
+def emitted_bigram(proposer, verify=sampling_verify, gamma=3, n=8000, seed=0):
     gen = torch.Generator().manual_seed(seed)
     target, counts, accepted = BigramTarget(P5), Counter(), 0
     for _ in range(n):
@@ -115,18 +121,20 @@ def emitted_bigram(proposer, verify=sampling_verify, gamma=3, n=20000, seed=0):
     return counts, accepted
 
 
-def test_processed_sampling_with_a_trained_drafters_q_emits_the_targets_distribution():
-    counts, accepted = emitted_bigram(BigramTrained(Q5))
-    assert accepted > 5000  # the drafts are often accepted: the accept branch is what is being tested
+@pytest.mark.parametrize("gamma", [1, 3])  # γ = 1: the bonus token is the third emitted; γ = 3: drafts 1-2 are
+def test_processed_sampling_with_a_trained_drafters_q_emits_the_targets_distribution(gamma):
+    counts, accepted = emitted_bigram(BigramTrained(Q5), gamma=gamma)
+    assert accepted > 2000  # the drafts are often accepted: the accept branch is what is being tested
     assert pooled_pvalue(counts, exact_bigram(P5, PARAMS)) > 1e-3
 
 
-@pytest.mark.parametrize("mutant", ["q_before_processing", "p_from_next_position", "resample_from_p", "bonus_from_last_row"])
-def test_the_processed_sampling_test_rejects_mutants(mutant):
+@pytest.mark.parametrize("mutant, gamma", [("q_before_processing", 3), ("p_from_next_position", 3),
+                                           ("resample_from_p", 3), ("bonus_from_last_row", 1)])
+def test_the_processed_sampling_test_rejects_mutants(mutant, gamma):
     proposer = QBeforeProcessing(Q5) if mutant == "q_before_processing" else BigramTrained(Q5)
     verify = {"p_from_next_position": verify_p_from_next_position, "resample_from_p": verify_resample_from_p,
               "bonus_from_last_row": verify_bonus_from_last_draft_row}.get(mutant, sampling_verify)
-    counts, _ = emitted_bigram(proposer, verify, n=20000, seed=1)
+    counts, _ = emitted_bigram(proposer, verify, gamma=gamma, seed=1)
     assert pooled_pvalue(counts, exact_bigram(P5, PARAMS)) < 1e-6
 
 
