@@ -131,9 +131,11 @@ def test_tree_logits_equal_each_paths_plain_forward(tiny_tok, attn, test_device)
     target.step(prompt)
     logits, _ = target.step_tree(root, tree)
     with torch.no_grad():
+        # eager attention takes its softmax in fp32 even for a float64 model, so paths of other shapes differ by
+        # ~1e-6 with some kernels (AVX2); a mask that hides nothing is off by ~1e-2
         whole = model(torch.tensor([prompt + [root]], device=model.device)).logits[0, -1]
-        torch.testing.assert_close(logits[0], whole.float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(logits[0], whole.float(), rtol=0, atol=1e-4)
         for i in range(len(tree)):
             path = [tree.tokens[a] for a in tree.ancestors(i)]
             plain = model(torch.tensor([prompt + [root] + path], device=model.device)).logits[0, -1]
-            torch.testing.assert_close(logits[1 + i], plain.float(), rtol=1e-6, atol=1e-6, msg=f"node {i} ({attn})")
+            torch.testing.assert_close(logits[1 + i], plain.float(), rtol=0, atol=1e-4, msg=lambda m: f"node {i} ({attn}): {m}")
