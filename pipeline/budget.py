@@ -216,9 +216,8 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
         if earlier and earlier.get("inputs") == _record(cfg):
             log.info("budget: reusing the sizes chosen at the start of this run (%s)", path)
         else:
-            from pipeline.target import load_model
-
             from data.features import resolve_aux_ids
+            from pipeline.target import load_model
 
             t0 = time.perf_counter()
             model = load_model(cfg.model)
@@ -243,8 +242,8 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
                 f"predicted {plan.total / 60:.1f} min: " + ", ".join(f"{k} {v:.0f}s" for k, v in plan.predicted.items()),
                 highlight=False)
             if plan.total > plan.budget_s:
-                log.warning("budget: even the smallest sizes are predicted to take %.1f min, over the %g min budget",
-                            plan.total / 60, cfg.budget.minutes)
+                log.warning("budget: predicted %.1f min, over the %g min budget, with the data at its floor "
+                            "(budget.min_synthesize=%d)", plan.total / 60, cfg.budget.minutes, cfg.budget.min_synthesize)
     wait()
     record = json.loads(path.read_text())
     sized = cfg.model_copy(deep=True)
