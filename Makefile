@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml requirements-assets.txt requirements-external.txt Makef
 install: $(STAMP)
 
 test: $(STAMP)
-	@$(PY) -c "import torch; from pipeline.precision import cpu_bf16; print('CPU kernels:', torch.backends.cpu.get_cpu_capability(), '| native bf16:', *cpu_bf16())"
+	@$(PY) -c "import torch; from draftsmith.pipeline.precision import cpu_bf16; print('CPU kernels:', torch.backends.cpu.get_cpu_capability(), '| native bf16:', *cpu_bf16())"
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests
 
 # The main job: self-synthesized data -> on-policy answers -> features -> EAGLE-3 + DSpark drafters -> exact eval

@@ -23,8 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.artifacts import ArtifactError, atomic_write_text, check_same_target, read_manifest, sha256_file
-from data.features import right_pad
+from draftsmith.data.artifacts import ArtifactError, atomic_write_text, check_same_target, read_manifest, sha256_file
+from draftsmith.data.features import right_pad
 
 KIND = "features"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -7,7 +7,7 @@ import logging
 from collections import Counter
 from typing import Any
 
-from data.chat import ChatTemplateError, tokenize_conversation
+from draftsmith.data.chat import ChatTemplateError, tokenize_conversation
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline.config import SourceConfig
+from draftsmith.pipeline.config import SourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ HUB_BUILTINS = {
 
 
 def _package_file(dist: str, suffix: str) -> Path:
-    from pipeline.target import TargetError, distribution_file
+    from draftsmith.pipeline.target import TargetError, distribution_file
 
     try:
         return distribution_file(dist, suffix)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from data.generation import Completion, Sampling, cut_at_stop
+from draftsmith.data.generation import Completion, Sampling, cut_at_stop
 
 
 def vllm_available() -> bool:

@@ -28,8 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
-from drafters.eagle3 import KVCache, _repeat_kv
+from draftsmith.drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
+from draftsmith.drafters.eagle3 import KVCache, _repeat_kv
 
 
 @dataclass

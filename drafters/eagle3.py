@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
+from draftsmith.drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
 
 
 @dataclass

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from drafters.losses import (acceptance, draft_distribution, position_losses, shift, simulated_acceptance_length,
+from draftsmith.drafters.losses import (acceptance, draft_distribution, position_losses, shift, simulated_acceptance_length,
                              teacher_from_final)
-from drafters.vocab import draft_to_target_ids
+from draftsmith.drafters.vocab import draft_to_target_ids
 
 
 @dataclass

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from drafters.dspark import DSparkDrafter
-from drafters.eagle3 import Eagle3Drafter
-from drafters.objectives import dspark_objective, eagle3_objective
+from draftsmith.drafters.dspark import DSparkDrafter
+from draftsmith.drafters.eagle3 import Eagle3Drafter
+from draftsmith.drafters.objectives import dspark_objective, eagle3_objective
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ from typing import Sequence
 
 import torch
 
-from data.features import AuxHooks, decoder_of
-from drafters.vocab import draft_to_target_ids
-from eval.engine import DecodeResult, _one_hot, clock
-from eval.sampling import SamplingParams, probs_from_logits, sample
-from eval.verify import end_round, greedy_verify, sampling_verify
+from draftsmith.data.features import AuxHooks, decoder_of
+from draftsmith.drafters.vocab import draft_to_target_ids
+from draftsmith.eval.engine import DecodeResult, _one_hot, clock
+from draftsmith.eval.sampling import SamplingParams, probs_from_logits, sample
+from draftsmith.eval.verify import end_round, greedy_verify, sampling_verify
 
 
 class BatchedHFTarget:
@@ -213,7 +213,7 @@ BATCHED_DRAFTERS = {"eagle3": BatchedEagle3, "dspark": BatchedDSpark}
 
 
 def _prompt_lookup(history: Sequence[int], k: int, max_ngram: int) -> list[int]:
-    from eval.proposers import PromptLookup
+    from draftsmith.eval.proposers import PromptLookup
 
     return PromptLookup(max_ngram).propose(history, k, None, None)[0]
 

@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from eval.sampling import SamplingParams, probs_from_logits, sample
-from eval.verify import end_round, greedy_verify, sampling_verify
+from draftsmith.eval.sampling import SamplingParams, probs_from_logits, sample
+from draftsmith.eval.verify import end_round, greedy_verify, sampling_verify
 
 
 def clock(device: torch.device | None) -> float:
@@ -68,7 +68,7 @@ def decode(target, proposer, prompt: Sequence[int], params: SamplingParams, gamm
     `proposer` is one of eval.proposers. With `tree`, each round drafts a token tree (the proposer needs
     `propose_tree`) and verifies it in one pass. `verify` / `tree_verify` are the sampling rules (swappable
     for tests)."""
-    from eval.tree import greedy_tree_verify, sampling_tree_verify
+    from draftsmith.eval.tree import greedy_tree_verify, sampling_tree_verify
 
     tree_verify = tree_verify or sampling_tree_verify
     stops = set(stop_ids)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from eval.engine import DecodeResult
+from draftsmith.eval.engine import DecodeResult
 
 
 def acceptance_stats(results: Sequence[DecodeResult], gamma: int) -> dict[str, Any]:

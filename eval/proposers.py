@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from drafters.vocab import draft_to_target_ids
-from eval.sampling import SamplingParams, probs_from_logits, sample
+from draftsmith.drafters.vocab import draft_to_target_ids
+from draftsmith.eval.sampling import SamplingParams, probs_from_logits, sample
 
 
 class NoDraft:
@@ -125,7 +125,7 @@ class Eagle3Proposer(TrainedProposer):
     def propose_tree(self, depth: int, top_k: int, total: int):
         """EAGLE-2-style dynamic tree: top-k children per expanded node, the top-k frontier nodes (by cumulative
         draft log-probability) expanded at each depth, then the best `total` nodes kept."""
-        from eval.tree import Tree, prune
+        from draftsmith.eval.tree import Tree, prune
 
         tree = Tree()
         logits, _, h_root = self.last

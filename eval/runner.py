@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from data.features import AuxHooks, decoder_of
+from draftsmith.data.features import AuxHooks, decoder_of
 
 
 class HFTarget:
@@ -54,7 +54,7 @@ class HFTarget:
     def step_tree(self, root: int, tree) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass over the root (last committed token) and every tree node, with the tree attention mask and
         depth-based positions. Returns logits [1+N, V] and features [1+N, F]."""
-        from eval.tree import tree_mask
+        from draftsmith.eval.tree import tree_mask
 
         past = self.length
         # An additive float mask (0 = visible, dtype min = hidden): transformers hands a custom 4-D mask to the

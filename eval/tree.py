@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eval.sampling import sample, uniform
+from draftsmith.eval.sampling import sample, uniform
 
 
 @dataclass

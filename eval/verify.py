@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from eval.sampling import sample, uniform
+from draftsmith.eval.sampling import sample, uniform
 
 
 def greedy_verify(drafts: Sequence[int], target_logits: torch.Tensor) -> tuple[int, int]:

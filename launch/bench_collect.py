@@ -38,13 +38,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from collections import Counter
 
-    from data.chat import prompt_ids
-    from data.feature_store import DTYPES, ShardWriter, bytes_per_token, pack_shard
-    from data.features import FeatureCapture, length_batches, right_pad
-    from data.sources import iter_conversations
-    from pipeline.collect import collect_samples, shard_plan
-    from pipeline.config import ModelConfig, SourceConfig
-    from pipeline.target import load_target
+    from draftsmith.data.chat import prompt_ids
+    from draftsmith.data.feature_store import DTYPES, ShardWriter, bytes_per_token, pack_shard
+    from draftsmith.data.features import FeatureCapture, length_batches, right_pad
+    from draftsmith.data.sources import iter_conversations
+    from draftsmith.pipeline.collect import collect_samples, shard_plan
+    from draftsmith.pipeline.config import ModelConfig, SourceConfig
+    from draftsmith.pipeline.target import load_target
 
     target = load_target(ModelConfig(target=args.target, dtype=args.model_dtype))
     tok, model = target.tokenizer, target.model

@@ -31,14 +31,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from collections import Counter
 
-    from data.chat import prompt_ids, stop_token_ids
-    from data.sources import iter_conversations
-    from eval.engine import decode
-    from eval.proposers import Eagle3Proposer, NoDraft, PromptLookup
-    from eval.runner import HFTarget
-    from eval.sampling import SamplingParams
-    from pipeline.config import ModelConfig, SourceConfig
-    from pipeline.target import load_target
+    from draftsmith.data.chat import prompt_ids, stop_token_ids
+    from draftsmith.data.sources import iter_conversations
+    from draftsmith.eval.engine import decode
+    from draftsmith.eval.proposers import Eagle3Proposer, NoDraft, PromptLookup
+    from draftsmith.eval.runner import HFTarget
+    from draftsmith.eval.sampling import SamplingParams
+    from draftsmith.pipeline.config import ModelConfig, SourceConfig
+    from draftsmith.pipeline.target import load_target
     from transformers import GenerationConfig
 
     target = load_target(ModelConfig(target=args.target, dtype=args.dtype))
@@ -81,7 +81,7 @@ def main() -> None:
     rows.append((f"transformers generate, prompt_lookup_num_tokens={args.gamma}", sum(len(o) for o in out), t, None,
                  sum(o != b for o, b in zip(out, base_out))))
     if args.drafter:
-        from drafters.registry import load_drafter
+        from draftsmith.drafters.registry import load_drafter
 
         d = load_drafter(args.drafter).to(target.device, model.dtype)
         out, t, tau = engine(Eagle3Proposer(d), HFTarget(model, aux_ids=d.config.aux_layer_ids))

@@ -32,11 +32,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from collections import Counter
 
-    from data.chat import prompt_ids, stop_token_ids
-    from data.generation import HFGenerator, Sampling
-    from data.sources import iter_conversations
-    from pipeline.config import ModelConfig, SourceConfig
-    from pipeline.target import load_target
+    from draftsmith.data.chat import prompt_ids, stop_token_ids
+    from draftsmith.data.generation import HFGenerator, Sampling
+    from draftsmith.data.sources import iter_conversations
+    from draftsmith.pipeline.config import ModelConfig, SourceConfig
+    from draftsmith.pipeline.target import load_target
 
     target = load_target(ModelConfig(target=args.target, dtype=args.dtype, attn_implementation=args.attn))
     tok, model = target.tokenizer, target.model

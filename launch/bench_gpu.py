@@ -99,10 +99,10 @@ def _llama_config(hidden, layers, heads, kv_heads, intermediate, vocab):
 def bench_train(s: Sizes, device, dtype, peak_tflops: float | None) -> dict[str, Any]:
     import torch
 
-    from drafters.eagle3 import Eagle3Drafter
-    from drafters.objectives import ObjectiveSettings, eagle3_objective
-    from drafters.vocab import select_draft_vocab
-    from pipeline.plan import DrafterShape, TargetShape, eagle3_flops, eagle3_params
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.objectives import ObjectiveSettings, eagle3_objective
+    from draftsmith.drafters.vocab import select_draft_vocab
+    from draftsmith.pipeline.plan import DrafterShape, TargetShape, eagle3_flops, eagle3_params
 
     torch.manual_seed(0)
     aux_ids = [2, 16, 29]  # only their count matters for the drafter's shapes
@@ -178,7 +178,7 @@ def _random_llama(s: Sizes, device, dtype):
 def bench_collect(s: Sizes, model, device) -> dict[str, Any]:
     import torch
 
-    from data.features import FeatureCapture
+    from draftsmith.data.features import FeatureCapture
 
     capture = FeatureCapture(model, None)
     rows = max(1, s.collect_tokens // s.seq_len)
@@ -215,13 +215,13 @@ def bench_collect(s: Sizes, model, device) -> dict[str, Any]:
 def bench_verify(s: Sizes, model, device, dtype) -> dict[str, Any]:
     import torch
 
-    from data.features import default_aux_ids
-    from drafters.eagle3 import Eagle3Drafter
-    from drafters.vocab import select_draft_vocab
-    from eval.engine import decode
-    from eval.proposers import Eagle3Proposer, NoDraft
-    from eval.runner import HFTarget
-    from eval.sampling import SamplingParams
+    from draftsmith.data.features import default_aux_ids
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.vocab import select_draft_vocab
+    from draftsmith.eval.engine import decode
+    from draftsmith.eval.proposers import Eagle3Proposer, NoDraft
+    from draftsmith.eval.runner import HFTarget
+    from draftsmith.eval.sampling import SamplingParams
 
     torch.manual_seed(0)
     aux = default_aux_ids(model.config.num_hidden_layers)

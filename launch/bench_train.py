@@ -34,15 +34,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from collections import Counter
 
-    from data.chat import prompt_ids
-    from data.features import FeatureCapture
-    from data.sources import iter_conversations
-    from drafters.eagle3 import Eagle3Drafter
-    from drafters.losses import teacher_from_final
-    from drafters.objectives import ObjectiveSettings, eagle3_objective
-    from drafters.vocab import draft_to_target_ids, select_draft_vocab
-    from pipeline.config import ModelConfig, SourceConfig
-    from pipeline.target import load_target
+    from draftsmith.data.chat import prompt_ids
+    from draftsmith.data.features import FeatureCapture
+    from draftsmith.data.sources import iter_conversations
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.losses import teacher_from_final
+    from draftsmith.drafters.objectives import ObjectiveSettings, eagle3_objective
+    from draftsmith.drafters.vocab import draft_to_target_ids, select_draft_vocab
+    from draftsmith.pipeline.config import ModelConfig, SourceConfig
+    from draftsmith.pipeline.target import load_target
 
     target = load_target(ModelConfig(target=args.target, dtype="float32"))
     model, tok = target.model, target.tokenizer

@@ -15,7 +15,7 @@
 #   RDZV_ID         rendezvous id              (default SLURM_JOB_ID, else draftsmith)
 #   DS_CONFIG       DeepSpeed JSON for train   (default launch/ds_zero2.json; empty = DDP)
 #   STAGE           draftsmith stage           (default train)
-#   ENTRY           what torchrun runs         (default "-m pipeline.cli"; the tests put a wrapper script here)
+#   ENTRY           what torchrun runs         (default "-m draftsmith"; the tests put a wrapper script here)
 #   PYTHON          interpreter                (default .venv/bin/python when present, else python)
 
 set -euo pipefail
@@ -43,13 +43,13 @@ MASTER_PORT=${MASTER_PORT:-29500}
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-draftsmith}}
 STAGE=${STAGE:-train}
 DS_CONFIG=${DS_CONFIG-launch/ds_zero2.json}
-ENTRY=${ENTRY:--m pipeline.cli}
+ENTRY=${ENTRY:--m draftsmith}
 
 extra=()
 if [ "$STAGE" = train ] && [ -n "$DS_CONFIG" ]; then extra+=("train.deepspeed=$DS_CONFIG"); fi
 
 # c10d rendezvous: node ranks are assigned as nodes join, so the same command runs unchanged on every node
-# shellcheck disable=SC2086  # ENTRY ("-m pipeline.cli") is split into words on purpose
+# shellcheck disable=SC2086  # ENTRY ("-m draftsmith") is split into words on purpose
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$RDZV_ID" \

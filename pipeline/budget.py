@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from data.artifacts import atomic_write_text
-from pipeline.config import RunConfig
-from pipeline.errors import StageError
+from draftsmith.data.artifacts import atomic_write_text
+from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.errors import StageError
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
 
 def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repeats: int = 3, steps: int = 6) -> Probes:
     """The probes on the target `model`, which took `load` seconds to load (see `Probes`)."""
-    from eval.runner import HFTarget
+    from draftsmith.eval.runner import HFTarget
 
     runner = HFTarget(model, aux_ids)  # eval's own target runner: its cache and hooks are what eval pays for
     device = runner.device
@@ -120,11 +120,11 @@ def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repea
 
 def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512):
     """One EAGLE-3 training step on random features, as the trainer runs it (shape, objective, autocast, AdamW)."""
-    from drafters.eagle3 import Eagle3Drafter
-    from drafters.objectives import eagle3_objective
-    from drafters.vocab import select_draft_vocab
-    from pipeline.precision import resolve_mixed_precision
-    from pipeline.train import family_settings
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.objectives import eagle3_objective
+    from draftsmith.drafters.vocab import select_draft_vocab
+    from draftsmith.pipeline.precision import resolve_mixed_precision
+    from draftsmith.pipeline.train import family_settings
 
     device = next(model.parameters()).device
     tc = model.config
@@ -206,7 +206,7 @@ def _record(cfg: RunConfig) -> dict[str, Any]:
 def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[str, Any]]:
     """The config sized to the budget, and the budget record. The main process measures (or reuses the record of
     an earlier run of the same budget and recipe) and writes RUN_DIR/budget.json; the other ranks read it."""
-    from pipeline.console import console
+    from draftsmith.pipeline.console import console
 
     if cfg.generate.synthesize == 0:
         raise StageError("budget.minutes sizes the self-synthesized data (generate.synthesize), and this recipe has none")
@@ -216,8 +216,8 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
         if earlier and earlier.get("inputs") == _record(cfg):
             log.info("budget: reusing the sizes chosen at the start of this run (%s)", path)
         else:
-            from data.features import resolve_aux_ids
-            from pipeline.target import load_model
+            from draftsmith.data.features import resolve_aux_ids
+            from draftsmith.pipeline.target import load_model
 
             t0 = time.perf_counter()
             model = load_model(cfg.model)

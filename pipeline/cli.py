@@ -6,8 +6,8 @@ import argparse
 import logging
 import sys
 
-from pipeline.config import ConfigError, load_config, save_config
-from pipeline.console import console, setup_logging
+from draftsmith.pipeline.config import ConfigError, load_config, save_config
+from draftsmith.pipeline.console import console, setup_logging
 
 log = logging.getLogger("draftsmith")
 
@@ -15,15 +15,15 @@ log = logging.getLogger("draftsmith")
 # stage -> the function that runs it ("module:function"), imported lazily so `draftsmith --help` and config
 # errors answer without loading torch
 ENTRY_POINTS = {
-    "prepare": "pipeline.prepare:run_prepare",
-    "generate": "pipeline.generate:run_generate",
-    "collect": "pipeline.collect:run_collect",
-    "train": "pipeline.train:run_train",
-    "eval": "pipeline.evaluate:run_eval",
-    "export": "pipeline.export:run_export",
-    "import": "pipeline.export:run_import",
-    "run": "pipeline.run:run_all",
-    "plan": "pipeline.plan:run_plan",
+    "prepare": "draftsmith.pipeline.prepare:run_prepare",
+    "generate": "draftsmith.pipeline.generate:run_generate",
+    "collect": "draftsmith.pipeline.collect:run_collect",
+    "train": "draftsmith.pipeline.train:run_train",
+    "eval": "draftsmith.pipeline.evaluate:run_eval",
+    "export": "draftsmith.pipeline.export:run_export",
+    "import": "draftsmith.pipeline.export:run_import",
+    "run": "draftsmith.pipeline.run:run_all",
+    "plan": "draftsmith.pipeline.plan:run_plan",
 }
 
 
@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = list(args.overrides) + extra
     setup_logging(args.log_level)
-    from data.artifacts import ArtifactError
-    from data.chat import ChatTemplateError
-    from data.features import FeatureError
-    from data.sources import SourceError
-    from pipeline.errors import StageError
-    from pipeline.target import TargetError
+    from draftsmith.data.artifacts import ArtifactError
+    from draftsmith.data.chat import ChatTemplateError
+    from draftsmith.data.features import FeatureError
+    from draftsmith.data.sources import SourceError
+    from draftsmith.pipeline.errors import StageError
+    from draftsmith.pipeline.target import TargetError
 
     expected = (ConfigError, ArtifactError, ChatTemplateError, FeatureError, SourceError, StageError, TargetError)
     succeeded = False
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.target:
                 overrides.append(f"model.target={args.target}")
         cfg = load_config(args.config, overrides)
-        from pipeline.dist import dist_state
+        from draftsmith.pipeline.dist import dist_state
 
         if dist_state().is_main_process and args.stage != "plan":  # plan runs nothing and writes nothing
             save_config(cfg, cfg.run_path / "config.yaml")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
     finally:
-        from pipeline.dist import close_process_group
+        from draftsmith.pipeline.dist import close_process_group
 
         close_process_group(succeeded)
     return 0

@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from data.artifacts import check_same_target, read_records, write_manifest
-from data.feature_store import DTYPES, KIND, FeatureStore, ShardWriter, bytes_per_token, is_done, pack_shard, shard_name
-from data.features import FeatureCapture, length_batches, right_pad
-from pipeline.config import RunConfig
-from pipeline.console import console, counts_table
-from pipeline.dist import dist_state
-from pipeline.errors import StageError
-from pipeline.resume import PlanMismatch, start_or_resume
-from pipeline.target import load_target
+from draftsmith.data.artifacts import check_same_target, read_records, write_manifest
+from draftsmith.data.feature_store import DTYPES, KIND, FeatureStore, ShardWriter, bytes_per_token, is_done, pack_shard, shard_name
+from draftsmith.data.features import FeatureCapture, length_batches, right_pad
+from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.console import console, counts_table
+from draftsmith.pipeline.dist import dist_state
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.resume import PlanMismatch, start_or_resume
+from draftsmith.pipeline.target import load_target
 
 log = logging.getLogger(__name__)
 

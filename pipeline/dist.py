@@ -51,7 +51,7 @@ def single_writer(stage: Callable[..., Path]) -> Callable[..., Path]:
             raise error
         path, failure = outcome[0]
         if failure is not None:
-            from pipeline.errors import StageError
+            from draftsmith.pipeline.errors import StageError
 
             raise StageError(f"{stage.__name__} failed on the main process ({failure})")
         return Path(path)

@@ -16,23 +16,23 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from data.artifacts import atomic_write_text, write_manifest
-from data.chat import prompt_ids, stop_token_ids
-from data.sources import iter_conversations
-from drafters.registry import load_drafter
-from eval.batch import decode_batch
-from eval.engine import TreeSpec, decode
-from eval.metrics import acceptance_stats, calibration
-from eval.proposers import PROPOSERS, NoDraft, PromptLookup
-from eval.report import markdown_table, plots
-from eval.runner import HFTarget
-from eval.sampling import SamplingParams, make_generator
-from pipeline.config import RunConfig
-from pipeline.console import console
-from pipeline.dist import dist_state
-from pipeline.errors import StageError
-from pipeline.target import load_target
-from pipeline.train import trained_drafter
+from draftsmith.data.artifacts import atomic_write_text, write_manifest
+from draftsmith.data.chat import prompt_ids, stop_token_ids
+from draftsmith.data.sources import iter_conversations
+from draftsmith.drafters.registry import load_drafter
+from draftsmith.eval.batch import decode_batch
+from draftsmith.eval.engine import TreeSpec, decode
+from draftsmith.eval.metrics import acceptance_stats, calibration
+from draftsmith.eval.proposers import PROPOSERS, NoDraft, PromptLookup
+from draftsmith.eval.report import markdown_table, plots
+from draftsmith.eval.runner import HFTarget
+from draftsmith.eval.sampling import SamplingParams, make_generator
+from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.console import console
+from draftsmith.pipeline.dist import dist_state
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.target import load_target
+from draftsmith.pipeline.train import trained_drafter
 
 log = logging.getLogger(__name__)
 

@@ -29,17 +29,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from data.artifacts import write_manifest
-from drafters.common import DrafterBase
-from drafters.dspark import DSparkConfig, DSparkDrafter
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from drafters.registry import load_drafter
-from pipeline.config import RunConfig
-from pipeline.console import console
-from pipeline.dist import single_writer
-from pipeline.errors import StageError
-from pipeline.target import load_config_of, load_head_weights, resolve_target
-from pipeline.train import trained_drafter
+from draftsmith.data.artifacts import write_manifest
+from draftsmith.drafters.common import DrafterBase
+from draftsmith.drafters.dspark import DSparkConfig, DSparkDrafter
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.drafters.registry import load_drafter
+from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.console import console
+from draftsmith.pipeline.dist import single_writer
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.target import load_config_of, load_head_weights, resolve_target
+from draftsmith.pipeline.train import trained_drafter
 
 log = logging.getLogger(__name__)
 

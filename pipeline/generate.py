@@ -22,21 +22,21 @@ from typing import Any
 
 from accelerate import PartialState
 
-from pipeline.dist import dist_state
+from draftsmith.pipeline.dist import dist_state
 from tqdm.auto import tqdm
 
-from data.artifacts import (
+from draftsmith.data.artifacts import (
     ArtifactError, atomic_write_text, check_same_target, read_records, write_manifest, write_records,
 )
-from data.chat import encode_text, prompt_ids, stop_token_ids, user_header
-from data.generation import Generator, HFGenerator, Sampling
-from data.records import build_record, holdout_split
-from data.synthesis import PromptFilter
-from pipeline.config import RunConfig
-from pipeline.console import console, counts_table
-from pipeline.errors import StageError
-from pipeline.resume import PlanMismatch, start_or_resume
-from pipeline.target import load_model, load_tokenizer, pick_device, resolve_target
+from draftsmith.data.chat import encode_text, prompt_ids, stop_token_ids, user_header
+from draftsmith.data.generation import Generator, HFGenerator, Sampling
+from draftsmith.data.records import build_record, holdout_split
+from draftsmith.data.synthesis import PromptFilter
+from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.console import console, counts_table
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.resume import PlanMismatch, start_or_resume
+from draftsmith.pipeline.target import load_model, load_tokenizer, pick_device, resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def _plan(cfg: RunConfig, identity: dict[str, Any], chat_template: str, prepared
 
 def make_generator(cfg: RunConfig, tok, state: PartialState) -> tuple[Generator, Any]:
     """(generator, model or None). vLLM is used on CUDA nodes where it is installed, unless told otherwise."""
-    from data.vllm_backend import VLLMGenerator, vllm_available
+    from draftsmith.data.vllm_backend import VLLMGenerator, vllm_available
 
     spec = resolve_target(cfg.model)
     device = pick_device(cfg.model.device)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
+from draftsmith.pipeline.config import RunConfig
 
 GIB = 2**30
 CONFIDENCE_HIDDEN = 256  # width of EAGLE-3's confidence MLP (drafters/eagle3.py)
@@ -102,7 +102,7 @@ def load_target_config(cfg: RunConfig, explicit: str | None = None):
         if not path.is_file():
             raise PlanError(f"--target-config: {path} not found")
         return _config_from_json(path)
-    from pipeline.target import TargetError, load_config_of, resolve_target
+    from draftsmith.pipeline.target import TargetError, load_config_of, resolve_target
 
     spec = resolve_target(cfg.model)
     if spec.kind != "hub":
@@ -452,7 +452,7 @@ def _tokens_in_run(cfg: RunConfig) -> tuple[int, int, str] | None:
 def make_plan(cfg: RunConfig, *, target_config=None, tokens: int | None = None, records: int | None = None,
               prompt_tokens: int = 256, world: int = 8, zero_stage: int | None = None,
               gpu_tflops: float = 989.0, mfu: float = 0.35) -> Plan:
-    from data.feature_store import bytes_per_token
+    from draftsmith.data.feature_store import bytes_per_token
 
     config = target_config if target_config is not None else load_target_config(cfg)
     t = target_shape(config)
@@ -560,8 +560,8 @@ def run_plan(cfg: RunConfig, tokens: int | None = None, records: int | None = No
              gpu_memory_gib: float = 80.0, gpu_tflops: float = 989.0, mfu: float = 0.35,
              json_out: str | None = None) -> Plan:
     """The `draftsmith plan` stage: compute, print, and optionally write the plan as JSON."""
-    from pipeline.console import console
-    from pipeline.errors import StageError
+    from draftsmith.pipeline.console import console
+    from draftsmith.pipeline.errors import StageError
 
     try:
         config = load_target_config(cfg, target_config)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from data.artifacts import write_manifest, write_records
-from data.records import build_record, holdout_split
-from data.sources import iter_conversations
-from pipeline.config import RunConfig
-from pipeline.console import console, counts_table
-from pipeline.dist import single_writer
-from pipeline.errors import StageError
-from pipeline.target import load_target
+from draftsmith.data.artifacts import write_manifest, write_records
+from draftsmith.data.records import build_record, holdout_split
+from draftsmith.data.sources import iter_conversations
+from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.console import console, counts_table
+from draftsmith.pipeline.dist import single_writer
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.target import load_target
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from data.artifacts import atomic_write_text
+from draftsmith.data.artifacts import atomic_write_text
 
 log = logging.getLogger(__name__)
 

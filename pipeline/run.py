@@ -12,9 +12,9 @@ import logging
 import time
 from pathlib import Path
 
-from pipeline.config import RunConfig
-from pipeline.console import console
-from pipeline.dist import dist_state
+from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.console import console
+from draftsmith.pipeline.dist import dist_state
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,12 @@ def plan_stages(cfg: RunConfig) -> list[str]:
 
 
 def run_all(cfg: RunConfig) -> Path:
-    from pipeline.collect import run_collect
-    from pipeline.evaluate import run_eval
-    from pipeline.export import run_export
-    from pipeline.generate import run_generate
-    from pipeline.prepare import run_prepare
-    from pipeline.train import run_train
+    from draftsmith.pipeline.collect import run_collect
+    from draftsmith.pipeline.evaluate import run_eval
+    from draftsmith.pipeline.export import run_export
+    from draftsmith.pipeline.generate import run_generate
+    from draftsmith.pipeline.prepare import run_prepare
+    from draftsmith.pipeline.train import run_train
 
     stages = plan_stages(cfg)
     # under torchrun / accelerate launch every rank runs this loop (the stages share the work out); one prints
@@ -69,8 +69,8 @@ def run_all(cfg: RunConfig) -> Path:
     started = time.perf_counter()
     budget = None
     if cfg.budget.minutes is not None:
-        from pipeline.budget import plan_budget
-        from pipeline.config import save_config
+        from draftsmith.pipeline.budget import plan_budget
+        from draftsmith.pipeline.config import save_config
 
         cfg, budget = plan_budget(cfg, main_process, agreed)
         if main_process:
@@ -103,8 +103,8 @@ def run_all(cfg: RunConfig) -> Path:
                 timings[stage] = "complete"
                 continue
         elif stage == "train":
-            from pipeline.errors import StageError
-            from pipeline.train import train_dir
+            from draftsmith.pipeline.errors import StageError
+            from draftsmith.pipeline.train import train_dir
 
             todo = []
             for family in cfg.train.drafters:
@@ -143,14 +143,14 @@ def run_all(cfg: RunConfig) -> Path:
     console.rule("[bold]draftsmith run: done")
     console.print("stages: " + ", ".join(f"{s} {t}" for s, t in timings.items()) + f"; total {total:.0f}s", highlight=False)
     if budget is not None:
-        from pipeline.budget import budget_table, record_actuals
+        from draftsmith.pipeline.budget import budget_table, record_actuals
 
         budget = record_actuals(cfg, budget, seconds, total)
         console.rule(f"[bold]budget {cfg.budget.minutes:g} min: predicted and actual stage times")
         console.print(budget_table(budget), highlight=False)
     eval_json = cfg.run_path / cfg.eval.output / "eval.json"
     if eval_json.is_file():
-        from eval.report import markdown_table
+        from draftsmith.eval.report import markdown_table
 
         console.rule("[bold]results: τ and speedup over plain decoding, per domain")
         console.print(markdown_table(json.loads(eval_json.read_text())), highlight=False)

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.precision import resolve_dtype
+from draftsmith.pipeline.config import ModelConfig
+from draftsmith.pipeline.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def resolve_target(cfg: ModelConfig) -> TargetSpec:
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         # Under accelerate/torchrun each rank gets its own GPU (cuda:LOCAL_RANK); on CPU all share "cpu".
-        from pipeline.dist import dist_state
+        from draftsmith.pipeline.dist import dist_state
 
         return dist_state().device
     dev = torch.device(name)

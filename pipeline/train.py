@@ -27,18 +27,18 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from data.artifacts import atomic_write_text, write_manifest
-from data.feature_store import FeatureStore
-from data.features import FeatureSource, OnlineFeatureSource, plan_batches, resolve_aux_ids
-from drafters.objectives import DSparkObjectiveSettings, ObjectiveSettings, summarize
-from drafters.registry import get_family
-from drafters.vocab import select_draft_vocab
-from pipeline.collect import input_records
-from pipeline.config import RunConfig
-from pipeline.console import console
-from pipeline.errors import StageError
-from pipeline.precision import resolve_mixed_precision
-from pipeline.target import load_config_of, load_head_weights, load_target, resolve_target
+from draftsmith.data.artifacts import atomic_write_text, write_manifest
+from draftsmith.data.feature_store import FeatureStore
+from draftsmith.data.features import FeatureSource, OnlineFeatureSource, plan_batches, resolve_aux_ids
+from draftsmith.drafters.objectives import DSparkObjectiveSettings, ObjectiveSettings, summarize
+from draftsmith.drafters.registry import get_family
+from draftsmith.drafters.vocab import select_draft_vocab
+from draftsmith.pipeline.collect import input_records
+from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.console import console
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.precision import resolve_mixed_precision
+from draftsmith.pipeline.target import load_config_of, load_head_weights, load_target, resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -470,9 +470,9 @@ class Trainer:
         process gathers them, fits and writes."""
         from accelerate.utils import gather_object
 
-        from drafters.calibration import fit_sequential_temperatures, survival_ece
-        from drafters.objectives import dspark_calibration_data
-        from drafters.registry import load_drafter
+        from draftsmith.drafters.calibration import fit_sequential_temperatures, survival_ece
+        from draftsmith.drafters.objectives import dspark_calibration_data
+        from draftsmith.drafters.registry import load_drafter
 
         acc = self.accelerator
         model = load_drafter(directory).to(self.device).eval()  # complete on disk under every ZeRO stage
@@ -537,7 +537,7 @@ def _read_json(path: Path) -> Any:
 def trained_drafter(cfg: RunConfig, identity: dict[str, Any], explicit: str | None = None, family: str | None = None) -> Path:
     """The drafter directory later stages use (an explicit one, else RUN_DIR/train/<family>/best, else final),
     refused when its training manifest says it was trained for another target."""
-    from data.artifacts import ArtifactError, check_same_target, read_manifest
+    from draftsmith.data.artifacts import ArtifactError, check_same_target, read_manifest
 
     if explicit:
         path = Path(explicit)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import pytest
 
-from data.chat import ChatTemplateError, end_of_turn, prompt_ids, render, stop_token_ids, tokenize_conversation
+from draftsmith.data.chat import ChatTemplateError, end_of_turn, prompt_ids, render, stop_token_ids, tokenize_conversation
 
 # ------------------------------------------------------------------------------------------ templates
 
@@ -178,7 +178,7 @@ def _qwen3_pre(content: str, last: bool) -> str:
 
 
 def _tiny(template: str, bos: str | None = None, eos: str | None = None):
-    from pipeline.tiny import tiny_tokenizer
+    from draftsmith.pipeline.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer(seed=0, chat_template=template)  # fresh: end_of_turn caches on the object
     if bos is not None:
@@ -189,8 +189,8 @@ def _tiny(template: str, bos: str | None = None, eos: str | None = None):
 
 
 def _smollm2_tok():
-    from pipeline.config import ModelConfig
-    from pipeline.target import load_tokenizer
+    from draftsmith.pipeline.config import ModelConfig
+    from draftsmith.pipeline.target import load_tokenizer
 
     return load_tokenizer(ModelConfig(target="smollm2-135m-instruct"))
 
@@ -207,7 +207,7 @@ def _make_family(name: str) -> Family:
     if name == "mistral":
         return Family(name, _tiny(MISTRAL_TEMPLATE, bos="<s>", eos="</s>"), "</s>", _as_is)
     if name == "chatml-tiny":
-        from pipeline.tiny import CHATML_TEMPLATE
+        from draftsmith.pipeline.tiny import CHATML_TEMPLATE
 
         return Family(name, _tiny(CHATML_TEMPLATE), "<|im_end|>", _as_is)
     if name == "smollm2":

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from data.artifacts import ArtifactError, write_manifest
-from data.feature_store import FeatureStore, ShardWriter, is_done, pack_shard, shard_name
+from draftsmith.data.artifacts import ArtifactError, write_manifest
+from draftsmith.data.feature_store import FeatureStore, ShardWriter, is_done, pack_shard, shard_name
 
 
 def _samples(lengths, H=4):

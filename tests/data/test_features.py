@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from data.features import (
+from draftsmith.data.features import (
     FeatureCapture, FeatureError, default_aux_ids, length_batches, resolve_aux_ids, right_pad, shard_for_rank,
 )
-from pipeline.tiny import tiny_llama
+from draftsmith.pipeline.tiny import tiny_llama
 
 
 @pytest.fixture(scope="module")

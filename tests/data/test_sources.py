@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from data.sources import SourceError, iter_conversations
-from pipeline.config import SourceConfig
+from draftsmith.data.sources import SourceError, iter_conversations
+from draftsmith.pipeline.config import SourceConfig
 
 GOOD = [
     {"id": "m1", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

@@ -2,7 +2,7 @@
 
 import pytest
 
-from data.synthesis import PromptFilter, normalize_for_dedup, reject_reason, repeat_fraction
+from draftsmith.data.synthesis import PromptFilter, normalize_for_dedup, reject_reason, repeat_fraction
 
 MARKERS = ["<|im_start|>", "<|im_end|>"]
 

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from data.generation import Sampling
+from draftsmith.data.generation import Sampling
 
 
 class _FakeParams:
@@ -34,7 +34,7 @@ def _fake_vllm(monkeypatch, outputs):
 
 
 def test_request_mapping_and_finish_reasons(monkeypatch):
-    from data.vllm_backend import VLLMGenerator, vllm_available
+    from draftsmith.data.vllm_backend import VLLMGenerator, vllm_available
 
     calls = _fake_vllm(monkeypatch, [([5, 6, 2], "stop"), ([7, 8, 9], "length"), ([4], "stop")])
     assert vllm_available()
@@ -50,11 +50,11 @@ def test_request_mapping_and_finish_reasons(monkeypatch):
 
 
 def test_auto_backend_choice(tiny_target_dir):
-    from data.vllm_backend import vllm_available
-    from pipeline.config import load_config
-    from pipeline.dist import dist_state
-    from pipeline.generate import make_generator
-    from pipeline.target import load_tokenizer
+    from draftsmith.data.vllm_backend import vllm_available
+    from draftsmith.pipeline.config import load_config
+    from draftsmith.pipeline.dist import dist_state
+    from draftsmith.pipeline.generate import make_generator
+    from draftsmith.pipeline.target import load_tokenizer
 
     cfg = load_config(None, [f"model.target={tiny_target_dir}"])
     gen, model = make_generator(cfg, load_tokenizer(cfg.model), dist_state())
@@ -66,11 +66,11 @@ def test_real_vllm_matches_hf_greedy(tiny_target_dir):
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("vLLM needs CUDA")
-    from data.chat import prompt_ids, stop_token_ids
-    from data.generation import HFGenerator
-    from data.vllm_backend import VLLMGenerator
-    from pipeline.config import ModelConfig
-    from pipeline.target import load_target
+    from draftsmith.data.chat import prompt_ids, stop_token_ids
+    from draftsmith.data.generation import HFGenerator
+    from draftsmith.data.vllm_backend import VLLMGenerator
+    from draftsmith.pipeline.config import ModelConfig
+    from draftsmith.pipeline.target import load_target
 
     t = load_target(ModelConfig(target=str(tiny_target_dir), dtype="float32"))
     prompts = [prompt_ids(t.tokenizer, [{"role": "user", "content": q}]) for q in ["What is the sum?", "Write a poem."]]

@@ -3,7 +3,7 @@
 import torch
 from torch.nn import functional as F
 
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
 
 def test_confidence_head_calibrates_on_a_synthetic_case():

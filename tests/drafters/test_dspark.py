@@ -5,11 +5,11 @@ acceptance probability; sequential temperature scaling lowers held-out ECE on a 
 import pytest
 import torch
 
-from drafters.calibration import fit_sequential_temperatures, survival_ece
-from drafters.dspark import DSparkConfig, DSparkDrafter
-from drafters.losses import teacher_from_final
-from drafters.objectives import DSparkObjectiveSettings, dspark_objective, sample_anchors
-from drafters.vocab import draft_to_target_ids, select_draft_vocab
+from draftsmith.drafters.calibration import fit_sequential_temperatures, survival_ece
+from draftsmith.drafters.dspark import DSparkConfig, DSparkDrafter
+from draftsmith.drafters.losses import teacher_from_final
+from draftsmith.drafters.objectives import DSparkObjectiveSettings, dspark_objective, sample_anchors
+from draftsmith.drafters.vocab import draft_to_target_ids, select_draft_vocab
 
 V, D, H, HT = 97, 41, 32, 24
 
@@ -119,7 +119,7 @@ def test_confidence_target_is_the_exact_acceptance_probability():
     logits = torch.randn(1, 3, D, dtype=torch.float64)
     T = 0.7
     teacher = teacher_from_final(final, head, draft_ids, T)
-    from drafters.losses import acceptance
+    from draftsmith.drafters.losses import acceptance
 
     alpha = acceptance(logits, teacher, draft_ids, T)
     p = torch.softmax((final @ head.T) / T, -1)  # full vocabulary
@@ -194,7 +194,7 @@ def test_sequential_temperature_scaling_lowers_heldout_ece():
 def test_sampled_markov_inputs_supervise_a_slot_only_while_its_conditioning_matches_the_data():
     """With sample_markov_inputs, slot k is conditioned on the drafter's own samples; its teacher (the target after
     the data prefix) is only right while those samples equal the data tokens, so later slots are masked."""
-    from drafters.objectives import _dspark_forward
+    from draftsmith.drafters.objectives import _dspark_forward
 
     model = _drafter(dtype=torch.float32)
     batch = _batch()

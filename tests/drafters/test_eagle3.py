@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
 
 def _drafter(num_layers=1, norm_before_residual=False, dtype=torch.float64, seed=0):
@@ -101,7 +101,7 @@ def test_save_and_load_round_trip(tmp_path):
 def test_lm_head_starts_from_the_targets_rows_of_the_draft_vocab():
     from types import SimpleNamespace
 
-    from drafters.vocab import draft_to_target_ids, select_draft_vocab
+    from draftsmith.drafters.vocab import draft_to_target_ids, select_draft_vocab
 
     tcfg = SimpleNamespace(vocab_size=97, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                            intermediate_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128)
@@ -135,8 +135,8 @@ def test_the_objectives_offsets_slot_t_at_step_i_predicts_token_t_plus_2_plus_i(
     """Pinned against an off-by-one: a drafter that outputs the teacher at position t+1+i for slot t of step i is
     right everywhere the mask counts (accuracy 1, soft-label loss = the teacher's entropy), and the mask counts
     slot t of step i exactly when token t+2+i is supervised."""
-    from drafters.losses import teacher_from_final
-    from drafters.objectives import ObjectiveSettings, eagle3_objective
+    from draftsmith.drafters.losses import teacher_from_final
+    from draftsmith.drafters.objectives import ObjectiveSettings, eagle3_objective
 
     V, H, B, T, steps = 11, 8, 2, 12, 3
     g = torch.Generator().manual_seed(0)

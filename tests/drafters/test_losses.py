@@ -3,7 +3,7 @@ against the target's full-vocabulary distribution (the one acceptance is decided
 
 import torch
 
-from drafters.losses import acceptance, position_losses, teacher_from_final
+from draftsmith.drafters.losses import acceptance, position_losses, teacher_from_final
 
 V, D, H = 300, 64, 32
 

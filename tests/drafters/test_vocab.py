@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from drafters.vocab import draft_to_target_ids, select_draft_vocab
+from draftsmith.drafters.vocab import draft_to_target_ids, select_draft_vocab
 
 
 def test_mapping_invariants():

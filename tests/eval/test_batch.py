@@ -4,13 +4,13 @@ gives alone: the target's greedy tokens, for every drafter kind."""
 import pytest
 import torch
 
-from eval.batch import decode_batch
-from eval.sampling import SamplingParams
+from draftsmith.eval.batch import decode_batch
+from draftsmith.eval.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_tok):
-    from pipeline.tiny import tiny_llama
+    from draftsmith.pipeline.tiny import tiny_llama
 
     return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64)
 
@@ -26,8 +26,8 @@ def plain_greedy(model, prompt, n, stops=()):
 
 
 def _eagle3(model):
-    from drafters.eagle3 import Eagle3Drafter
-    from drafters.vocab import select_draft_vocab
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.vocab import select_draft_vocab
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 200)
@@ -63,9 +63,9 @@ def test_batched_greedy_equals_plain_greedy(tiny64, kind):
 def test_batched_matches_unbatched_acceptance(tiny64, kind, threshold):
     """Same rounds (drafted, accepted) and confidences per row as the one-prompt engine, for both trained
     families, with and without adaptive draft length."""
-    from eval.engine import decode
-    from eval.proposers import PROPOSERS
-    from eval.runner import HFTarget
+    from draftsmith.eval.engine import decode
+    from draftsmith.eval.proposers import PROPOSERS
+    from draftsmith.eval.runner import HFTarget
 
     drafter = {"eagle3": _eagle3, "dspark": _dspark}[kind](tiny64)
     prompts = [[5, 6, 7, 8, 9], [40, 41], [100, 101, 102, 100, 101, 102, 100]]
@@ -83,7 +83,7 @@ def test_batched_matches_unbatched_acceptance(tiny64, kind, threshold):
 
 
 def test_adaptive_lengths_keep_drafts_while_the_running_confidence_holds():
-    from eval.batch import adaptive_lengths
+    from draftsmith.eval.batch import adaptive_lengths
 
     confs = torch.tensor([[0.9, 0.5, 0.8], [0.3, 0.9, 0.9], [0.99, 0.99, 0.99]])
     assert adaptive_lengths(confs, 0.4) == [2, 1, 3]  # 0.9*0.5*0.8 = 0.36 < 0.4; 0.3 drafts the first anyway
@@ -101,8 +101,8 @@ def test_batched_dspark_drafts_what_each_row_drafts_alone(tiny64):
     """Rows with ragged prompts accept different numbers of drafts per round (scripted here, so every pattern
     occurs): each row's drafts and calibrated confidences equal the one-prompt proposer's, so padding and the
     unverified slots of other rows' rounds never leak into a row's context."""
-    from eval.batch import BatchedDSpark
-    from eval.proposers import DSparkProposer
+    from draftsmith.eval.batch import BatchedDSpark
+    from draftsmith.eval.proposers import DSparkProposer
 
     drafter = _dspark(tiny64)
     width = len(drafter.config.aux_layer_ids) * drafter.config.target_hidden_size

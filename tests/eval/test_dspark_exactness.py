@@ -8,12 +8,12 @@ from collections import Counter
 import pytest
 import torch
 
-from drafters.dspark import DSparkConfig, DSparkDrafter
-from drafters.vocab import select_draft_vocab
-from eval.engine import decode
-from eval.proposers import DSparkProposer
-from eval.runner import HFTarget
-from eval.sampling import SamplingParams
+from draftsmith.drafters.dspark import DSparkConfig, DSparkDrafter
+from draftsmith.drafters.vocab import select_draft_vocab
+from draftsmith.eval.engine import decode
+from draftsmith.eval.proposers import DSparkProposer
+from draftsmith.eval.runner import HFTarget
+from draftsmith.eval.sampling import SamplingParams
 from tests.eval.test_exactness import P, BigramTarget, chi_square_pvalue, plain_greedy, tiny64  # noqa: F401
 
 
@@ -113,7 +113,7 @@ def test_adaptive_length_uses_only_earlier_positions():
 
 
 def _dspark_for(model, calibrated=False):
-    from drafters.dspark import DSparkDrafter
+    from draftsmith.drafters.dspark import DSparkDrafter
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 200)

@@ -8,18 +8,18 @@ import time
 import pytest
 import torch
 
-import eval.batch as batch_mod
-from eval.batch import decode_batch
-from eval.engine import TreeSpec, decode
-from eval.proposers import Eagle3Proposer, NoDraft
-from eval.runner import HFTarget
-from eval.sampling import SamplingParams
-from eval.tree import Tree
+import draftsmith.eval.batch as batch_mod
+from draftsmith.eval.batch import decode_batch
+from draftsmith.eval.engine import TreeSpec, decode
+from draftsmith.eval.proposers import Eagle3Proposer, NoDraft
+from draftsmith.eval.runner import HFTarget
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.tree import Tree
 
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_tok, test_device):
-    from pipeline.tiny import tiny_llama
+    from draftsmith.pipeline.tiny import tiny_llama
 
     return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
 
@@ -120,7 +120,7 @@ def test_trees_and_batches_record_draft_and_verify_time(tiny64, monkeypatch):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_tree_logits_equal_each_paths_plain_forward(tiny_tok, attn, test_device):
-    from pipeline.tiny import tiny_llama
+    from draftsmith.pipeline.tiny import tiny_llama
 
     model = tiny_llama(tiny_tok, seed=0, num_layers=2, dtype=torch.float64).to(test_device)
     model.set_attn_implementation(attn)

@@ -6,11 +6,11 @@ from collections import Counter
 import pytest
 import torch
 
-from eval.engine import decode
-from eval.proposers import Eagle3Proposer, NoDraft, PromptLookup
-from eval.runner import HFTarget
-from eval.sampling import SamplingParams, sample
-from eval.verify import residual, sampling_verify
+from draftsmith.eval.engine import decode
+from draftsmith.eval.proposers import Eagle3Proposer, NoDraft, PromptLookup
+from draftsmith.eval.runner import HFTarget
+from draftsmith.eval.sampling import SamplingParams, sample
+from draftsmith.eval.verify import residual, sampling_verify
 
 # ------------------------------------------------------------------ an exactly solvable model: bigrams
 
@@ -117,7 +117,7 @@ def test_residual_rule_on_the_chapter_example():
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_tok):
-    from pipeline.tiny import tiny_llama
+    from draftsmith.pipeline.tiny import tiny_llama
 
     return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64)
 
@@ -142,8 +142,8 @@ class OracleDraft(NoDraft):
 
 
 def _eagle3(model):
-    from drafters.eagle3 import Eagle3Drafter
-    from drafters.vocab import select_draft_vocab
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.vocab import select_draft_vocab
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 200)

@@ -9,12 +9,12 @@ from collections import Counter
 import pytest
 import torch
 
-import eval.batch as batch_mod
-from eval.batch import decode_batch
-from eval.engine import decode
-from eval.proposers import TrainedProposer
-from eval.sampling import SamplingParams, make_generator, probs_from_logits, sample
-from eval.verify import residual, sampling_verify
+import draftsmith.eval.batch as batch_mod
+from draftsmith.eval.batch import decode_batch
+from draftsmith.eval.engine import decode
+from draftsmith.eval.proposers import TrainedProposer
+from draftsmith.eval.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from draftsmith.eval.verify import residual, sampling_verify
 from tests.eval.test_exactness import BigramTarget, chi_square_pvalue
 
 PARAMS = SamplingParams(temperature=0.7, top_p=0.85, top_k=3)  # every processing step changes the distribution
@@ -142,7 +142,7 @@ def test_the_processed_sampling_test_rejects_mutants(mutant, gamma):
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_tok, test_device):
-    from pipeline.tiny import tiny_llama
+    from draftsmith.pipeline.tiny import tiny_llama
 
     return tiny_llama(tiny_tok, seed=0, num_layers=2, dtype=torch.float64).to(test_device)
 
@@ -182,8 +182,8 @@ def emitted_batched(model, kind, drafter, samples, seed=0):
 
 
 def _eagle3(model):
-    from drafters.eagle3 import Eagle3Drafter
-    from drafters.vocab import select_draft_vocab
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.vocab import select_draft_vocab
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 384)

@@ -6,11 +6,11 @@ from collections import Counter
 import pytest
 import torch
 
-from eval.engine import TreeSpec, decode
-from eval.proposers import Eagle3Proposer, NoDraft
-from eval.runner import HFTarget
-from eval.sampling import SamplingParams, sample
-from eval.tree import Tree, prune, sampling_tree_verify, tree_mask
+from draftsmith.eval.engine import TreeSpec, decode
+from draftsmith.eval.proposers import Eagle3Proposer, NoDraft
+from draftsmith.eval.runner import HFTarget
+from draftsmith.eval.sampling import SamplingParams, sample
+from draftsmith.eval.tree import Tree, prune, sampling_tree_verify, tree_mask
 
 import importlib.util
 import pathlib
@@ -117,7 +117,7 @@ def test_tree_mask_and_prune():
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_tok):
-    from pipeline.tiny import tiny_llama
+    from draftsmith.pipeline.tiny import tiny_llama
 
     return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64)
 

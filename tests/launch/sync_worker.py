@@ -1,4 +1,4 @@
-"""Launched by tests/launch/test_multiprocess.py in place of `-m pipeline.cli`: runs the real CLI (`STAGE CONFIG
+"""Launched by tests/launch/test_multiprocess.py in place of `-m draftsmith`: runs the real CLI (`STAGE CONFIG
 overrides...`), and after training every rank writes its own copy of the drafter's trainable parameters to
 $SYNC_DIR/rank<r>.safetensors so the test can check the ranks stayed in sync."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-import pipeline.train as train_stage
+import draftsmith.pipeline.train as train_stage
 
 _real_train = train_stage.Trainer.train
 
@@ -37,6 +37,6 @@ def _train_then_dump(self):
 train_stage.Trainer.train = _train_then_dump
 
 if __name__ == "__main__":
-    from pipeline.cli import main
+    from draftsmith.pipeline.cli import main
 
     sys.exit(main(sys.argv[1:]))

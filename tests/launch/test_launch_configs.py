@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import load_config
+from draftsmith.pipeline.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"
@@ -130,7 +130,7 @@ def test_shell_scripts_parse(path):
 def test_slurm_script_reads_its_layout_from_slurm():
     text = (LAUNCH / "slurm_train.sbatch").read_text()
     for needle in ("SLURM_NODEID", "scontrol show hostnames", "SLURM_NNODES", "--machine_rank", "--main_process_ip",
-                   "--num_machines", "--num_processes", "srun --ntasks-per-node=1", "accelerate launch", "pipeline.cli"):
+                   "--num_machines", "--num_processes", "srun --ntasks-per-node=1", "accelerate launch", "draftsmith"):
         assert needle in text, needle
 
 
@@ -148,8 +148,8 @@ def _aux_fits(ids, layers):
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipe_loads_and_fits_its_target(path):
-    from pipeline.plan import bundled_target_config, load_target_config, make_plan
-    from pipeline.target import resolve_target
+    from draftsmith.pipeline.plan import bundled_target_config, load_target_config, make_plan
+    from draftsmith.pipeline.target import resolve_target
 
     cfg = load_config(path)
     if cfg.train.deepspeed:

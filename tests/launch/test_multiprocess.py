@@ -58,10 +58,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, write_chats):
     """A tiny 4-layer target, prepared records and an fp32 feature store, plus the recipe every launch trains."""
-    from pipeline.collect import run_collect
-    from pipeline.config import load_config
-    from pipeline.prepare import run_prepare
-    from pipeline.tiny import save_tiny_target
+    from draftsmith.pipeline.collect import run_collect
+    from draftsmith.pipeline.config import load_config
+    from draftsmith.pipeline.prepare import run_prepare
+    from draftsmith.pipeline.tiny import save_tiny_target
 
     root = tmp_path_factory.mktemp("launch-ws")
     target = save_tiny_target(root / "target", seed=0, num_layers=4)
@@ -202,9 +202,9 @@ def test_torchrun_script_builds_the_rendezvous_command(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [
         "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv_backend", "c10d",
-        "--rdzv_endpoint", "node0:29123", "--rdzv_id", "77", "-m", "pipeline.cli", "train", "configs/x.yaml",
+        "--rdzv_endpoint", "node0:29123", "--rdzv_id", "77", "-m", "draftsmith", "train", "configs/x.yaml",
         "train.deepspeed=launch/ds_zero3.json", "train.lr=1e-4"]
     env.update(STAGE="collect", DS_CONFIG="")  # other stages split their work by rank and take no DeepSpeed JSON
     proc = subprocess.run(["bash", str(REPO / "launch" / "torchrun_train.sh"), "configs/x.yaml"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, check=False, timeout=60)
-    assert proc.returncode == 0 and proc.stdout.split()[-4:] == ["-m", "pipeline.cli", "collect", "configs/x.yaml"]
+    assert proc.returncode == 0 and proc.stdout.split()[-4:] == ["-m", "draftsmith", "collect", "configs/x.yaml"]

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from data.features import FeatureCapture
-from pipeline.config import ModelConfig
-from pipeline.dist import close_process_group
-from pipeline.target import load_head_weights, load_model
+from draftsmith.data.features import FeatureCapture
+from draftsmith.pipeline.config import ModelConfig
+from draftsmith.pipeline.dist import close_process_group
+from draftsmith.pipeline.target import load_head_weights, load_model
 
 if __name__ == "__main__":
     path, out = sys.argv[1], Path(sys.argv[2])

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from pipeline.budget import Probes, choose_sizes, measure_probes
-from pipeline.cli import main
-from pipeline.config import ConfigError, load_config
+from draftsmith.pipeline.budget import Probes, choose_sizes, measure_probes
+from draftsmith.pipeline.cli import main
+from draftsmith.pipeline.config import ConfigError, load_config
 
 REFERENCE = ("budget.reference={seconds: {generate: 300, collect: 60, train: 600, eval: 400, export: 5}, "
              "probes: {gen_step: 0.05, prefill: 0.2, decode: 0.03, train_step: 0.5, load: 0.0}, synthesize: 160, "
@@ -77,7 +77,7 @@ def test_minutes_without_a_reference_is_refused():
 
 
 def test_probes_run_on_a_real_target(tiny_target_dir):
-    from pipeline.target import load_model
+    from draftsmith.pipeline.target import load_model
 
     cfg = load_config(None, [f"model.target={tiny_target_dir}", "generate.batch_size=4", "train.draft_vocab_size=200"])
     probes = measure_probes(load_model(cfg.model), cfg, aux_ids=[1, 2], load=1.0)

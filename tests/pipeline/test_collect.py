@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import pipeline.collect as collect_stage
-from data.artifacts import ArtifactError, read_records
-from data.feature_store import FeatureStore
-from data.features import FeatureCapture, OnlineFeatureSource, iterate_batches
-from pipeline.config import load_config
-from pipeline.errors import StageError
-from pipeline.prepare import run_prepare
-from pipeline.target import load_target
+import draftsmith.pipeline.collect as collect_stage
+from draftsmith.data.artifacts import ArtifactError, read_records
+from draftsmith.data.feature_store import FeatureStore
+from draftsmith.data.features import FeatureCapture, OnlineFeatureSource, iterate_batches
+from draftsmith.pipeline.config import load_config
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.prepare import run_prepare
+from draftsmith.pipeline.target import load_target
 
 DOMAINS = ["math", "code", "chat"]
 
@@ -117,7 +117,7 @@ def test_resume_after_crash_mid_shard(tmp_path, tiny_target_dir, monkeypatch):
 
 
 def test_mismatches_are_refused(tmp_path, tiny_target_dir):
-    from pipeline.tiny import save_tiny_target
+    from draftsmith.pipeline.tiny import save_tiny_target
 
     cfg = _cfg(tmp_path, tiny_target_dir)
     run_prepare(cfg)
@@ -177,7 +177,7 @@ def test_two_ranks_collect_the_same_store_as_one(tmp_path, tiny_target_dir):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(json.dumps(cfg.dump()))  # JSON is YAML
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    base = [sys.executable, "-m", "pipeline.cli", "collect", str(recipe)]
+    base = [sys.executable, "-m", "draftsmith", "collect", str(recipe)]
 
     def run(prefix, run_dir):
         import shutil

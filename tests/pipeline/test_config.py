@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, RunConfig, load_config, save_config
+from draftsmith.pipeline.config import ConfigError, RunConfig, load_config, save_config
 
 REPO = Path(__file__).resolve().parents[2]
 

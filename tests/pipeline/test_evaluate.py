@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.cli import main
-from pipeline.collect import run_collect
-from pipeline.config import load_config
-from pipeline.prepare import run_prepare
-from pipeline.tiny import save_tiny_target
-from pipeline.train import run_train
+from draftsmith.pipeline.cli import main
+from draftsmith.pipeline.collect import run_collect
+from draftsmith.pipeline.config import load_config
+from draftsmith.pipeline.prepare import run_prepare
+from draftsmith.pipeline.tiny import save_tiny_target
+from draftsmith.pipeline.train import run_train
 
 
 def test_eval_stage(tmp_path):
@@ -77,7 +77,7 @@ def test_eval_stage(tmp_path):
     for stage in (["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.output=eval-2ranks"],
                   ["export", str(recipe), f"run_dir={tmp_path / 'run'}", "export.dtype=float32"]):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               "-m", "pipeline.cli", *stage], env=env, capture_output=True, text=True, timeout=300)
+                               "-m", "draftsmith", *stage], env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "run" / "eval-2ranks" / "eval.json").read_text())
     assert two["settings"]["processes"] == 2
@@ -106,8 +106,8 @@ def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_fin
     import pytest
     import torch
 
-    import pipeline.evaluate as evaluate
-    from pipeline.run import _eval_matches
+    import draftsmith.pipeline.evaluate as evaluate
+    from draftsmith.pipeline.run import _eval_matches
 
     cfg = _lookup_only_recipe(tmp_path, test_device)
     calls = []

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafters.eagle3 import Eagle3Drafter
-from drafters.vocab import draft_to_target_ids, select_draft_vocab
-from pipeline.config import load_config
-from pipeline.errors import StageError
-from pipeline.export import import_drafter, run_export, sglang_refusal
-from pipeline.tiny import save_tiny_target
+from draftsmith.drafters.eagle3 import Eagle3Drafter
+from draftsmith.drafters.vocab import draft_to_target_ids, select_draft_vocab
+from draftsmith.pipeline.config import load_config
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.export import import_drafter, run_export, sglang_refusal
+from draftsmith.pipeline.tiny import save_tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +215,7 @@ def test_speculators_reference_class_loads_the_export(target4, tmp_path):
 def _dspark(target_dir, tmp_path, aux=(1, 2, 3, 4), D=200):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from drafters.dspark import DSparkDrafter
+    from draftsmith.drafters.dspark import DSparkDrafter
 
     tcfg = AutoConfig.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir)

@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 
-import pipeline.generate as gen_stage
-from data.artifacts import read_records
-from data.chat import prompt_ids, stop_token_ids, tokenize_conversation
-from data.generation import HFGenerator, Sampling, cut_at_stop
-from pipeline.config import load_config
-from pipeline.errors import StageError
-from pipeline.prepare import run_prepare
-from pipeline.tiny import tiny_llama
+import draftsmith.pipeline.generate as gen_stage
+from draftsmith.data.artifacts import read_records
+from draftsmith.data.chat import prompt_ids, stop_token_ids, tokenize_conversation
+from draftsmith.data.generation import HFGenerator, Sampling, cut_at_stop
+from draftsmith.pipeline.config import load_config
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.prepare import run_prepare
+from draftsmith.pipeline.tiny import tiny_llama
 
 PROMPTS = [
     "What is the sum of two numbers?",
@@ -153,7 +153,7 @@ def test_resume_after_kill_gives_the_same_records(tmp_path, tiny_target_dir, mon
 
 
 def test_refuses_mismatched_settings_and_targets(tmp_path, tiny_target_dir):
-    from pipeline.tiny import save_tiny_target
+    from draftsmith.pipeline.tiny import save_tiny_target
 
     cfg = _cfg(tmp_path, tiny_target_dir)
     run_prepare(cfg)
@@ -194,8 +194,8 @@ def test_synthesis_openers_start_each_candidate(tmp_path, tiny_tok):
     user header (not only pasted onto the text afterwards), and the accepted prompt is opener + continuation."""
     from accelerate import PartialState
 
-    from data.chat import encode_text, user_header
-    from data.generation import Completion
+    from draftsmith.data.chat import encode_text, user_header
+    from draftsmith.data.generation import Completion
 
     openers = ["Write a Python function that", "Imagine you are"]
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "generate.synthesize=5", "generate.synth.round_size=4",

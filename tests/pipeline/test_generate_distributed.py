@@ -6,10 +6,10 @@ import os
 import subprocess
 import sys
 
-from data.artifacts import read_records
-from pipeline.config import load_config
-from pipeline.generate import run_generate
-from pipeline.prepare import run_prepare
+from draftsmith.data.artifacts import read_records
+from draftsmith.pipeline.config import load_config
+from draftsmith.pipeline.generate import run_generate
+from draftsmith.pipeline.prepare import run_prepare
 
 
 def test_two_ranks_produce_the_same_records_as_one(tmp_path, tiny_target_dir):
@@ -34,7 +34,7 @@ def test_two_ranks_produce_the_same_records_as_one(tmp_path, tiny_target_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "pipeline.cli", "generate", str(recipe), f"run_dir={tmp_path / 'two'}"],
+         "-m", "draftsmith", "generate", str(recipe), f"run_dir={tmp_path / 'two'}"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

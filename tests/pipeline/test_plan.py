@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
-from pipeline.cli import main
-from pipeline.config import load_config
-from pipeline.plan import DrafterShape, dspark_params, eagle3_params, make_plan
+from draftsmith.pipeline.cli import main
+from draftsmith.pipeline.config import load_config
+from draftsmith.pipeline.plan import DrafterShape, dspark_params, eagle3_params, make_plan
 
 MiB = 2**20
 
@@ -78,8 +78,8 @@ def test_a_flops(plan_a):
 def test_eagle3_formula_counts_the_real_module(tiny_target_dir):
     from transformers import AutoConfig
 
-    from drafters.eagle3 import Eagle3Drafter
-    from drafters.vocab import select_draft_vocab
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.vocab import select_draft_vocab
 
     config = AutoConfig.from_pretrained(tiny_target_dir)
     d2t, t2d = select_draft_vocab(torch.arange(384), 256)
@@ -94,8 +94,8 @@ def test_eagle3_formula_counts_the_real_module(tiny_target_dir):
 def test_dspark_formula_counts_the_real_module(tiny_target_dir):
     from transformers import AutoConfig
 
-    from drafters.dspark import DSparkDrafter
-    from drafters.vocab import select_draft_vocab
+    from draftsmith.drafters.dspark import DSparkDrafter
+    from draftsmith.drafters.vocab import select_draft_vocab
 
     config = AutoConfig.from_pretrained(tiny_target_dir)
     d2t, t2d = select_draft_vocab(torch.arange(384), 256)
@@ -117,7 +117,7 @@ LLAMA_B = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 16, 
 def plan_b(tmp_path):
     from pathlib import Path
 
-    from pipeline.plan import load_target_config
+    from draftsmith.pipeline.plan import load_target_config
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_B))
     ds = Path(__file__).resolve().parents[2] / "launch" / "ds_zero2.json"

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from pipeline import precision
-from pipeline.precision import cpu_bf16, resolve_dtype, resolve_mixed_precision
+from draftsmith.pipeline import precision
+from draftsmith.pipeline.precision import cpu_bf16, resolve_dtype, resolve_mixed_precision
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -40,7 +40,7 @@ def cpu_kind(monkeypatch):
 def test_auto_is_bf16_only_on_cpus_with_native_bf16(cpu_kind, caplog, flags, capability, onednn, native):
     cpu_kind(flags, capability, onednn)
     expected = torch.bfloat16 if native else torch.float32
-    with caplog.at_level(logging.INFO, logger="pipeline.precision"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.pipeline.precision"):
         assert resolve_dtype("auto", CPU) == expected
         assert resolve_mixed_precision("auto", cuda=False) == ("bf16" if native else "no")
     reasons = [r.getMessage() for r in caplog.records]
@@ -51,7 +51,7 @@ def test_auto_is_bf16_only_on_cpus_with_native_bf16(cpu_kind, caplog, flags, cap
 
 def test_explicit_choices_are_kept_and_slow_bf16_is_warned_about(cpu_kind, caplog):
     cpu_kind((), "AVX2", False)
-    with caplog.at_level(logging.INFO, logger="pipeline.precision"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.pipeline.precision"):
         assert resolve_dtype("float64", CPU) == torch.float64
         assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
         assert resolve_mixed_precision("bf16", cuda=False) == "bf16"
@@ -85,7 +85,7 @@ def test_torchs_own_switches_are_read_for_real():
     """Not a pretend CPU: a fresh interpreter with torch pinned to AVX2 kernels must never pick bf16."""
     env = {k: v for k, v in os.environ.items() if k != precision.ENV}
     env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
-    out = subprocess.run([sys.executable, "-c", "from pipeline.precision import cpu_bf16; print(cpu_bf16())"],
+    out = subprocess.run([sys.executable, "-c", "from draftsmith.pipeline.precision import cpu_bf16; print(cpu_bf16())"],
                          env=env, capture_output=True, text=True, check=True).stdout
     assert out.startswith("(False, "), out
 
@@ -93,7 +93,7 @@ def test_torchs_own_switches_are_read_for_real():
 def test_the_demo_and_recipes_use_auto():
     from pathlib import Path
 
-    from pipeline.config import load_config
+    from draftsmith.pipeline.config import load_config
 
     configs = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
     assert configs

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from data.artifacts import ArtifactError, read_records
-from pipeline.cli import main
-from pipeline.config import load_config
-from pipeline.errors import StageError
-from pipeline.prepare import run_prepare
+from draftsmith.data.artifacts import ArtifactError, read_records
+from draftsmith.pipeline.cli import main
+from draftsmith.pipeline.config import load_config
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.prepare import run_prepare
 
 CONVS = [
     {"id": f"c{i}", "messages": [

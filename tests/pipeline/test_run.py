@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.tiny import save_tiny_target
+from draftsmith.pipeline.cli import main
+from draftsmith.pipeline.tiny import save_tiny_target
 
 
 @pytest.fixture
@@ -90,11 +90,11 @@ def test_cli_closes_the_process_group_it_ran_in(tmp_path):
 
 
 def test_run_under_torchrun_shares_the_stages_out(tmp_path, tiny_recipe):
-    """`torchrun --nproc_per_node 2 -m pipeline.cli run`: generation, collection, training and eval are shared over
+    """`torchrun --nproc_per_node 2 -m draftsmith run`: generation, collection, training and eval are shared over
     the ranks, prepare and export are written once, one rank prints the summary; a second launch skips it all."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
     run = tmp_path / "run2"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "pipeline.cli",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "draftsmith",
                "run", str(tiny_recipe), f"run_dir={run}", "train.epochs=10"]
     for attempt in ("first", "again"):
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)

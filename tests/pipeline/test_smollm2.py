@@ -4,8 +4,8 @@ that it runs alike on every CPU; short answers)."""
 
 import pytest
 
-from data.artifacts import read_records
-from pipeline.cli import main
+from draftsmith.data.artifacts import read_records
+from draftsmith.pipeline.cli import main
 
 
 @pytest.mark.slow

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.target import TargetError, load_target, resolve_target
+from draftsmith.pipeline.config import ModelConfig
+from draftsmith.pipeline.target import TargetError, load_target, resolve_target
 
 
 def test_alias_resolves_to_the_packaged_gguf():
@@ -15,7 +15,7 @@ def test_alias_resolves_to_the_packaged_gguf():
 
 
 def test_local_dir_identity_changes_with_weights(tiny_target_dir, tmp_path):
-    from pipeline.tiny import save_tiny_target
+    from draftsmith.pipeline.tiny import save_tiny_target
 
     a = resolve_target(ModelConfig(target=str(tiny_target_dir))).identity()
     assert a == resolve_target(ModelConfig(target=str(tiny_target_dir))).identity()
@@ -47,7 +47,7 @@ def test_tiny_target_loads_through_the_real_path(tiny_target_dir):
 
 
 def test_tiny_factory_is_seeded():
-    from pipeline.tiny import tiny_llama, tiny_tokenizer
+    from draftsmith.pipeline.tiny import tiny_llama, tiny_tokenizer
 
     tok = tiny_tokenizer(seed=0)
     assert tok.get_vocab() == tiny_tokenizer(seed=0).get_vocab()
@@ -76,7 +76,7 @@ def test_missing_chat_template_is_refused(tiny_target_dir, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_gguf_loads_dense_and_answers():
-    from data.chat import prompt_ids
+    from draftsmith.data.chat import prompt_ids
 
     # dtype auto: fp32 in the suite (bf16 is ~30x slower on AVX2-only CPUs; tests/pipeline/test_precision.py covers the choice)
     t = load_target(ModelConfig(target="smollm2-135m-instruct"))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, ModelConfig, load_config
-from pipeline.target import (
+from draftsmith.pipeline.config import ConfigError, ModelConfig, load_config
+from draftsmith.pipeline.target import (
     TargetError,
     data_parallel_rank,
     load_model,
@@ -55,7 +55,7 @@ def test_sharding_mode_follows_the_process_layout(tiny_target_dir, monkeypatch, 
     monkeypatch.setenv("WORLD_SIZE", "2")
     zero3 = ModelConfig(target=str(tiny_target_dir), zero3="gpu")
     assert sharding_mode(zero3, spec, shard=True) == "zero3"
-    with caplog.at_level(logging.INFO, logger="pipeline.target"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.pipeline.target"):
         assert sharding_mode(zero3, spec, shard=False) == "none"  # generate / collect: whole target per rank
     assert "applies to online training only" in caplog.text
     assert sharding_mode(ModelConfig(target=str(tiny_target_dir), tp_size=2), spec, shard=True) == "tp"
@@ -69,7 +69,7 @@ def test_sharding_mode_follows_the_process_layout(tiny_target_dir, monkeypatch, 
 
 
 def test_gguf_targets_cannot_be_sharded(monkeypatch, tmp_path):
-    from pipeline.target import TargetSpec
+    from draftsmith.pipeline.target import TargetSpec
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     spec = TargetSpec("x.gguf", "gguf", str(tmp_path), "x.gguf", None)

@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import pipeline.train as train_stage
-from data.artifacts import ArtifactError
-from pipeline.collect import run_collect
-from pipeline.config import load_config
-from pipeline.errors import StageError
-from pipeline.prepare import run_prepare
-from pipeline.tiny import save_tiny_target
+import draftsmith.pipeline.train as train_stage
+from draftsmith.data.artifacts import ArtifactError
+from draftsmith.pipeline.collect import run_collect
+from draftsmith.pipeline.config import load_config
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.prepare import run_prepare
+from draftsmith.pipeline.tiny import save_tiny_target
 
 WORKER = Path(__file__).with_name("train_worker.py")
 

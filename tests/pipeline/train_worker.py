@@ -5,9 +5,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from pipeline.config import load_config
-from pipeline.dist import close_process_group
-from pipeline.train import Trainer
+from draftsmith.pipeline.config import load_config
+from draftsmith.pipeline.dist import close_process_group
+from draftsmith.pipeline.train import Trainer
 
 if __name__ == "__main__":
     recipe, out = sys.argv[1], Path(sys.argv[2])
