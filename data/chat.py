@@ -12,8 +12,9 @@ generation stores them), they are used as they are, so training sees precisely w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 _SENTINEL = "\u2063DRAFTSMITH_SENTINEL\u2063"
 
@@ -45,7 +46,7 @@ def end_of_turn(tokenizer) -> tuple[str, int]:
     at = text.find(_SENTINEL)
     if at < 0:
         raise ChatTemplateError("the chat template does not render assistant messages (no assistant turn)")
-    after = text[at + len(_SENTINEL):]
+    after = text[at + len(_SENTINEL) :]
     for s, i in sorted(_special_strings(tokenizer).items(), key=lambda kv: -len(kv[0])):
         if s and after.startswith(s):
             tokenizer._draftsmith_eot = (tokenizer.chat_template, (s, i))  # keyed by template: it may be replaced
@@ -109,8 +110,11 @@ def assistant_spans(
         content = m["content"]
         variants = [content, content.strip(), content.lstrip("\n"), content.lstrip(), content.rstrip()]
         rendered = next(
-            (v for v in dict.fromkeys(variants) if (v or not content.strip())
-             and full.startswith(v, at) and full.startswith(eot, at + len(v))),
+            (
+                v
+                for v in dict.fromkeys(variants)
+                if (v or not content.strip()) and full.startswith(v, at) and full.startswith(eot, at + len(v))
+            ),
             None,
         )
         if rendered is None:

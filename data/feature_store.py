@@ -16,8 +16,9 @@ import json
 import os
 import queue
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -50,7 +51,9 @@ class ShardWriter:
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, k: int, tensors: dict[str, torch.Tensor], samples: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    def submit(
+        self, k: int, tensors: dict[str, torch.Tensor], samples: list[dict[str, Any]], info: dict[str, Any]
+    ) -> None:
         if self._error is not None:
             raise RuntimeError("the shard writer failed") from self._error
         self._queue.put((k, tensors, samples, info))
@@ -66,7 +69,9 @@ class ShardWriter:
                 except BaseException as exc:  # reported to the producer at its next submit/close
                     self._error = exc
 
-    def _write(self, k: int, tensors: dict[str, torch.Tensor], samples: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    def _write(
+        self, k: int, tensors: dict[str, torch.Tensor], samples: list[dict[str, Any]], info: dict[str, Any]
+    ) -> None:
         path = self.directory / shard_name(k)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata={"samples": json.dumps(samples)})
@@ -107,8 +112,13 @@ class FeatureStore:
     else is refused with an error naming the mismatch.
     """
 
-    def __init__(self, directory: str | Path, target: dict[str, Any] | None = None,
-                 aux_ids: Sequence[int] | None = None, hidden_size: int | None = None):
+    def __init__(
+        self,
+        directory: str | Path,
+        target: dict[str, Any] | None = None,
+        aux_ids: Sequence[int] | None = None,
+        hidden_size: int | None = None,
+    ):
         self.directory = Path(directory)
         self.manifest = read_manifest(self.directory, KIND)
         m = self.manifest
@@ -120,7 +130,9 @@ class FeatureStore:
                 f"collect again or set collect.aux_layer_ids={m['aux_layer_ids']}"
             )
         if hidden_size is not None and hidden_size != m["hidden_size"]:
-            raise ArtifactError(f"{self.directory} holds hidden size {m['hidden_size']} but this run's target has {hidden_size}")
+            raise ArtifactError(
+                f"{self.directory} holds hidden size {m['hidden_size']} but this run's target has {hidden_size}"
+            )
         self.aux_ids = m["aux_layer_ids"]
         self.hidden_size = m["hidden_size"]
         self.lengths: list[int] = []

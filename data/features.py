@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any, Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -47,11 +48,15 @@ def resolve_aux_ids(aux_ids: Sequence[int] | None, num_layers: int) -> list[int]
         raise FeatureError("collect.aux_layer_ids is empty")
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
-        raise FeatureError(f"collect.aux_layer_ids {bad} out of range: valid HF hidden_states indices are 0..{num_layers}")
+        raise FeatureError(
+            f"collect.aux_layer_ids {bad} out of range: valid HF hidden_states indices are 0..{num_layers}"
+        )
     if len(set(ids)) != len(ids):
         raise FeatureError(f"collect.aux_layer_ids {ids} has duplicates")
     if ids != sorted(ids):  # the engines concatenate captured layers in ascending layer order
-        raise FeatureError(f"collect.aux_layer_ids {ids} must be ascending (serving engines concatenate in layer order)")
+        raise FeatureError(
+            f"collect.aux_layer_ids {ids} must be ascending (serving engines concatenate in layer order)"
+        )
     return ids
 
 
@@ -68,13 +73,15 @@ class AuxHooks:
         L = len(self.base.layers)
         for i in self.aux_ids:
             if i < L:
+
                 def hook(_module, args, kwargs, i=i):
                     self.captured[i] = args[0] if args else kwargs["hidden_states"]
 
                 self._handles.append(self.base.layers[i].register_forward_pre_hook(hook, with_kwargs=True))
             else:
-                self._handles.append(self.base.norm.register_forward_hook(
-                    lambda _m, _a, out, i=i: self.captured.__setitem__(i, out)))
+                self._handles.append(
+                    self.base.norm.register_forward_hook(lambda _m, _a, out, i=i: self.captured.__setitem__(i, out))
+                )
         return self.captured
 
     def __exit__(self, *exc) -> None:
@@ -100,7 +107,9 @@ class FeatureCapture:
         self.hidden_size = model.config.hidden_size
 
     @torch.no_grad()  # not inference_mode: online training feeds these tensors into autograd
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         hooks = AuxHooks(self.base, self.aux_ids)
         with hooks:
             out = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -134,8 +143,12 @@ def shard_for_rank(batches: list[list[int]], rank: int, world: int) -> list[list
     """Rank r's batches (r, r+W, ...), the same number on every rank so data-parallel steps stay in lockstep."""
     usable = len(batches) // world * world
     if usable < len(batches) and rank == 0:
-        log.info("data-parallel: %d of %d batches left out this epoch so %d ranks get equal counts",
-                 len(batches) - usable, len(batches), world)
+        log.info(
+            "data-parallel: %d of %d batches left out this epoch so %d ranks get equal counts",
+            len(batches) - usable,
+            len(batches),
+            world,
+        )
     return batches[rank:usable:world]
 
 
@@ -159,8 +172,16 @@ class FeatureSource(Protocol):
     def load_batch(self, indices: Sequence[int]) -> dict[str, Any]: ...
 
 
-def plan_batches(source: FeatureSource, batch_tokens: int, split: str | None = "train", seed: int = 0, epoch: int = 0,
-                 rank: int = 0, world: int = 1, shuffle: bool = True) -> list[list[int]]:
+def plan_batches(
+    source: FeatureSource,
+    batch_tokens: int,
+    split: str | None = "train",
+    seed: int = 0,
+    epoch: int = 0,
+    rank: int = 0,
+    world: int = 1,
+    shuffle: bool = True,
+) -> list[list[int]]:
     """This rank's batches (lists of sample indices) of one epoch: length-bucketed within `batch_tokens`,
     reshuffled per (seed, epoch), sharded across data-parallel ranks. Cheap: no features are read."""
     pool = [i for i, m in enumerate(source.meta) if split is None or m["split"] == split]
@@ -168,8 +189,16 @@ def plan_batches(source: FeatureSource, batch_tokens: int, split: str | None = "
     return [[pool[j] for j in b] for b in shard_for_rank(batches, rank, world)]
 
 
-def iterate_batches(source: FeatureSource, batch_tokens: int, split: str | None = "train", seed: int = 0,
-                    epoch: int = 0, rank: int = 0, world: int = 1, shuffle: bool = True) -> Iterator[dict[str, Any]]:
+def iterate_batches(
+    source: FeatureSource,
+    batch_tokens: int,
+    split: str | None = "train",
+    seed: int = 0,
+    epoch: int = 0,
+    rank: int = 0,
+    world: int = 1,
+    shuffle: bool = True,
+) -> Iterator[dict[str, Any]]:
     """The padded batches of `plan_batches`, loaded one at a time."""
     for indices in plan_batches(source, batch_tokens, split, seed, epoch, rank, world, shuffle):
         yield source.load_batch(indices)
@@ -201,7 +230,11 @@ class OnlineFeatureSource:
         aux, final = self.capture(ids.to(device))
         keep = valid.to(device).unsqueeze(-1)
         return {
-            "input_ids": ids, "loss_mask": mask, "attention_mask": valid,
-            "aux": torch.where(keep, aux, 0), "final": torch.where(keep, final, 0),
-            "ids": [self.meta[i]["id"] for i in indices], "domains": [self.meta[i]["domain"] for i in indices],
+            "input_ids": ids,
+            "loss_mask": mask,
+            "attention_mask": valid,
+            "aux": torch.where(keep, aux, 0),
+            "final": torch.where(keep, final, 0),
+            "ids": [self.meta[i]["id"] for i in indices],
+            "domains": [self.meta[i]["domain"] for i in indices],
         }

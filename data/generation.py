@@ -7,8 +7,9 @@ whether the model stopped by itself (`stop`) or hit the length limit (`length`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm

@@ -34,7 +34,10 @@ def build_record(
     `generate` answers them.
     """
     base = {
-        "id": conv["id"], "domain": conv["domain"], "source": conv["source"], "split": split,
+        "id": conv["id"],
+        "domain": conv["domain"],
+        "source": conv["source"],
+        "split": split,
         "messages": conv["messages"],
     }
     if not is_complete(conv):
@@ -60,6 +63,9 @@ def build_record(
         counts["truncated"] += 1
     counts["tokenized"] += 1
     return base | {
-        "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids), "num_supervised": sum(mask),
+        "input_ids": ids,
+        "loss_mask": mask,
+        "num_tokens": len(ids),
+        "num_supervised": sum(mask),
         "truncated": truncated,
     }

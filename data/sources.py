@@ -13,8 +13,9 @@ import gzip
 import json
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from draftsmith.pipeline.config import SourceConfig
 
@@ -34,8 +35,15 @@ class RecordError(ValueError):
 
 
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-    "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
 }
 
 # Builtin prompt sets: where they come from and how a row becomes a prompt.
@@ -65,15 +73,22 @@ def _read_jsonl(path: Path, counts: Counter) -> Iterator[dict[str, Any]]:
     offset = 0  # of the line's first byte (in the uncompressed stream for .gz)
     with opener(path, "rb") as f:
         if f.peek(2)[:2] in (b"\xff\xfe", b"\xfe\xff"):
-            raise SourceError(f"{path}: the file is UTF-16 (it starts with a UTF-16 byte order mark); re-encode it as UTF-8")
+            raise SourceError(
+                f"{path}: the file is UTF-16 (it starts with a UTF-16 byte order mark); re-encode it as UTF-8"
+            )
         for lineno, raw in enumerate(f, 1):
             start, offset = offset, offset + len(raw)
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as exc:
                 if not counts["not_utf8"]:
-                    log.warning("%s: line %d is not UTF-8 (byte offset %d: %s); such lines are skipped and counted "
-                                "as not_utf8", path, lineno, start + exc.start, exc.reason)
+                    log.warning(
+                        "%s: line %d is not UTF-8 (byte offset %d: %s); such lines are skipped and counted as not_utf8",
+                        path,
+                        lineno,
+                        start + exc.start,
+                        exc.reason,
+                    )
                 counts["not_utf8"] += 1
                 continue
             if not line.strip():
@@ -96,8 +111,10 @@ def _read_text(path: Path) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise SourceError(f"{path}: not UTF-8 text at byte offset {exc.start} (line {line}: {exc.reason}); "
-                          "re-encode the file as UTF-8") from None
+        raise SourceError(
+            f"{path}: not UTF-8 text at byte offset {exc.start} (line {line}: {exc.reason}); "
+            "re-encode the file as UTF-8"
+        ) from None
 
 
 def _read_local(path: Path, counts: Counter) -> Iterator[dict[str, Any]]:
@@ -211,7 +228,9 @@ def _messages(rec: dict[str, Any], schema: str) -> list[dict[str, Any]]:
         if not isinstance(prompt, str):
             raise RecordError("malformed", "`prompt` is missing or not a string")
         return [{"role": "user", "content": prompt}]
-    key, role_key, text_key = ("messages", "role", "content") if schema == "messages" else ("conversations", "from", "value")
+    key, role_key, text_key = (
+        ("messages", "role", "content") if schema == "messages" else ("conversations", "from", "value")
+    )
     raw = rec.get(key)
     if not isinstance(raw, list):
         raise RecordError("malformed", f"`{key}` is missing or not a list")

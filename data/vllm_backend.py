@@ -6,7 +6,7 @@ gets its own seed derived from (seed, index), which makes a chunk's samples repr
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from draftsmith.data.generation import Completion, Sampling, cut_at_stop
 
@@ -22,8 +22,16 @@ def vllm_available() -> bool:
 class VLLMGenerator:
     name = "vllm"
 
-    def __init__(self, model: str, stop_ids: Sequence[int], dtype: str = "auto", revision: str | None = None,
-                 tensor_parallel_size: int = 1, max_model_len: int | None = None, seed: int = 0):
+    def __init__(
+        self,
+        model: str,
+        stop_ids: Sequence[int],
+        dtype: str = "auto",
+        revision: str | None = None,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
         from vllm import LLM
 
         self.stop_ids = list(stop_ids)

@@ -30,8 +30,9 @@ def expected_calibration_error(pred: torch.Tensor, observed: torch.Tensor, bins:
     return float(total / pred.numel())
 
 
-def survival_ece(conf_logits: torch.Tensor, alphas: torch.Tensor, valid: torch.Tensor, temps: list[float],
-                 bins: int = 10) -> list[float]:
+def survival_ece(
+    conf_logits: torch.Tensor, alphas: torch.Tensor, valid: torch.Tensor, temps: list[float], bins: int = 10
+) -> list[float]:
     """ECE of the predicted survival at every position, for the given temperatures. Inputs [N, γ]; a block
     contributes to position k while its slots up to k are valid."""
     conf = torch.sigmoid(conf_logits.double() / torch.tensor(temps, dtype=torch.float64))
@@ -40,8 +41,13 @@ def survival_ece(conf_logits: torch.Tensor, alphas: torch.Tensor, valid: torch.T
     return [expected_calibration_error(pred[valid[:, k], k], obs[valid[:, k], k], bins) for k in range(conf.shape[1])]
 
 
-def fit_sequential_temperatures(conf_logits: torch.Tensor, alphas: torch.Tensor, valid: torch.Tensor, bins: int = 10,
-                                grid: torch.Tensor | None = None) -> list[float]:
+def fit_sequential_temperatures(
+    conf_logits: torch.Tensor,
+    alphas: torch.Tensor,
+    valid: torch.Tensor,
+    bins: int = 10,
+    grid: torch.Tensor | None = None,
+) -> list[float]:
     """Per-position temperatures (in order) minimizing the ECE of the survival S_k given the earlier ones."""
     grid = torch.logspace(-1.5, 1.5, 121, dtype=torch.float64) if grid is None else grid
     G = conf_logits.shape[1]

@@ -14,14 +14,20 @@ from transformers import LlamaConfig
 
 def target_shape_fields(target_config, aux_layer_ids: list[int], draft_vocab_size: int) -> dict[str, Any]:
     """Drafter config fields copied from the target's HF config (the defaults every family starts from)."""
-    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    head_dim = (
+        getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    )
     rope = getattr(target_config, "rope_parameters", None) or {}
     return dict(
-        vocab_size=target_config.vocab_size, draft_vocab_size=draft_vocab_size,
-        hidden_size=target_config.hidden_size, target_hidden_size=target_config.hidden_size,
+        vocab_size=target_config.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        hidden_size=target_config.hidden_size,
+        target_hidden_size=target_config.hidden_size,
         num_attention_heads=target_config.num_attention_heads,
         num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
-        head_dim=head_dim, intermediate_size=target_config.intermediate_size, aux_layer_ids=list(aux_layer_ids),
+        head_dim=head_dim,
+        intermediate_size=target_config.intermediate_size,
+        aux_layer_ids=list(aux_layer_ids),
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
         max_position_embeddings=target_config.max_position_embeddings,
@@ -34,11 +40,18 @@ class DrafterConfigMixin:
 
     def layer_config(self) -> LlamaConfig:
         return LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
-            rope_theta=self.rope_theta, **{k: v for k, v in self.extra.items() if k in ("rope_scaling",)},
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act=self.hidden_act,
+            rope_theta=self.rope_theta,
+            **{k: v for k, v in self.extra.items() if k in ("rope_scaling",)},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -85,5 +98,7 @@ class DrafterBase(torch.nn.Module):
         missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
         missing = [m for m in missing if not m.startswith("rotary.")]
         if missing or unexpected:
-            raise ValueError(f"{directory}: checkpoint does not match the drafter (missing {missing}, unexpected {unexpected})")
+            raise ValueError(
+                f"{directory}: checkpoint does not match the drafter (missing {missing}, unexpected {unexpected})"
+            )
         return model

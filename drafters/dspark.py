@@ -73,7 +73,12 @@ class DSparkAttention(nn.Module):
 
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
-        H, self.heads, self.kv_heads, self.head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, self.heads, self.kv_heads, self.head_dim = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.q_proj = nn.Linear(H, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(H, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(H, self.kv_heads * self.head_dim, bias=False)
@@ -151,7 +156,9 @@ class DSparkDrafter(DrafterBase):
         self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)  # the target's head rows of the draft vocab, frozen
-        self.markov_head = MarkovHead(cfg.vocab_size, cfg.draft_vocab_size, cfg.markov_rank) if cfg.markov_rank > 0 else None
+        self.markov_head = (
+            MarkovHead(cfg.vocab_size, cfg.draft_vocab_size, cfg.markov_rank) if cfg.markov_rank > 0 else None
+        )
         self.confidence_head = ConfidenceHead(H + cfg.markov_rank)
         self.rotary = LlamaRotaryEmbedding(cfg.layer_config())
         # fp32 RoPE frequencies outside the buffers, so casting the drafter to bf16 does not round them
@@ -171,8 +178,12 @@ class DSparkDrafter(DrafterBase):
 
     def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """[..., γ] block token ids: the anchor, then MASK."""
-        block = torch.full((*anchor_tokens.shape, self.config.block_size), self.config.mask_token_id,
-                           dtype=torch.long, device=anchor_tokens.device)
+        block = torch.full(
+            (*anchor_tokens.shape, self.config.block_size),
+            self.config.mask_token_id,
+            dtype=torch.long,
+            device=anchor_tokens.device,
+        )
         block[..., 0] = anchor_tokens
         return block
 
@@ -204,8 +215,15 @@ class DSparkDrafter(DrafterBase):
 
     # ----------------------------------------------------------------------------------------- training
 
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, anchors: torch.Tensor,
-                sample_temperature: float | None = None, generator: torch.Generator | None = None):
+    def forward(
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        anchors: torch.Tensor,
+        sample_temperature: float | None = None,
+        generator: torch.Generator | None = None,
+    ):
         """Packed training forward (what DDP / DeepSpeed wrap): every anchor's block in one pass.
 
         aux [B, T, F] target features, input_ids / attention_mask [B, T], anchors [B, A] positions (any value
@@ -225,7 +243,9 @@ class DSparkDrafter(DrafterBase):
         offsets = torch.arange(G, device=device)
         positions = (anchors[..., None] + offsets).view(B, A * G)
         # block (a, k) sees context positions < anchor a (and real tokens only), and all of block a
-        ctx_mask = (torch.arange(T, device=device)[None, None, :] < anchors[..., None]) & attention_mask.bool()[:, None, :]
+        ctx_mask = (torch.arange(T, device=device)[None, None, :] < anchors[..., None]) & attention_mask.bool()[
+            :, None, :
+        ]
         ctx_mask = ctx_mask.repeat_interleave(G, dim=1)  # [B, A*G, T]
         blocks = torch.arange(A, device=device).repeat_interleave(G)
         blk_mask = (blocks[:, None] == blocks[None, :]).expand(B, A * G, A * G)
@@ -266,8 +286,13 @@ class DSparkDrafter(DrafterBase):
             cache.append(i, k, v)
 
     @torch.no_grad()
-    def draft_block(self, cache: KVCache, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
-                    context_mask: torch.Tensor | None = None):
+    def draft_block(
+        self,
+        cache: KVCache,
+        anchor_tokens: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        context_mask: torch.Tensor | None = None,
+    ):
         """One backbone pass for blocks anchored after the cached context. anchor_tokens / anchor_positions [B];
         context_mask [B, cached] marks the context slots each row may see (batched decoding keeps padding and
         unverified slots as masked holes; None: all). Returns (normed hidden [B, γ, H], unbiased logits
@@ -276,14 +301,24 @@ class DSparkDrafter(DrafterBase):
         block = self.block_inputs(anchor_tokens)
         positions = anchor_positions[:, None] + torch.arange(G, device=anchor_tokens.device)
         c = self.config
-        empty = torch.zeros(len(anchor_tokens), c.num_key_value_heads, 0, c.head_dim, dtype=self.fc.weight.dtype,
-                            device=anchor_tokens.device)
-        ctx_kv = [(cache.k[i], cache.v[i]) if cache.k[i] is not None else (empty, empty) for i in range(len(self.layers))]
+        empty = torch.zeros(
+            len(anchor_tokens),
+            c.num_key_value_heads,
+            0,
+            c.head_dim,
+            dtype=self.fc.weight.dtype,
+            device=anchor_tokens.device,
+        )
+        ctx_kv = [
+            (cache.k[i], cache.v[i]) if cache.k[i] is not None else (empty, empty) for i in range(len(self.layers))
+        ]
         mask = None
         if context_mask is not None:
             if context_mask.shape != (len(anchor_tokens), cache.length()):
-                raise ValueError(f"context_mask has shape {tuple(context_mask.shape)}, expected "
-                                 f"{(len(anchor_tokens), cache.length())} (rows x cached context slots)")
+                raise ValueError(
+                    f"context_mask has shape {tuple(context_mask.shape)}, expected "
+                    f"{(len(anchor_tokens), cache.length())} (rows x cached context slots)"
+                )
             whole_block = torch.ones(len(anchor_tokens), G, dtype=torch.bool, device=context_mask.device)
             mask = torch.cat([context_mask, whole_block], dim=1)[:, None, None, :].to(anchor_tokens.device)
         h = self.backbone(block, positions, ctx_kv, mask)
@@ -292,21 +327,39 @@ class DSparkDrafter(DrafterBase):
     # ------------------------------------------------------------------------------------ construction
 
     @classmethod
-    def from_target(cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, embed_weight: torch.Tensor,
-                    d2t: torch.Tensor, t2d: torch.Tensor, head_weight: torch.Tensor, **overrides) -> "DSparkDrafter":
+    def from_target(
+        cls,
+        target_config,
+        aux_layer_ids: list[int],
+        draft_vocab_size: int,
+        embed_weight: torch.Tensor,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        head_weight: torch.Tensor,
+        **overrides,
+    ) -> DSparkDrafter:
         """A drafter shaped like the target's layers (overridable), with the target's embedding and the draft-vocab
         rows of its LM head copied in."""
-        fields = {**target_shape_fields(target_config, aux_layer_ids, draft_vocab_size), "mask_token_id": target_config.vocab_size - 1}
+        fields = {
+            **target_shape_fields(target_config, aux_layer_ids, draft_vocab_size),
+            "mask_token_id": target_config.vocab_size - 1,
+        }
         fields.update({k: v for k, v in overrides.items() if v is not None})
         if fields["hidden_size"] != target_config.hidden_size:
-            raise ValueError("the drafter shares the target's (frozen) embedding and head, so its hidden size must equal the target's")
+            raise ValueError(
+                "the drafter shares the target's (frozen) embedding and head, so its hidden size must equal the target's"
+            )
         if not 0 <= fields["mask_token_id"] < target_config.vocab_size:
-            raise ValueError(f"mask_token_id {fields['mask_token_id']} is outside the target vocabulary (0..{target_config.vocab_size - 1})")
+            raise ValueError(
+                f"mask_token_id {fields['mask_token_id']} is outside the target vocabulary (0..{target_config.vocab_size - 1})"
+            )
         model = cls(DSparkConfig(**fields))
         with torch.no_grad():
             model.embed_tokens.weight.copy_(embed_weight)
             model.d2t.copy_(d2t)
             model.t2d.copy_(t2d)
             ids = torch.arange(draft_vocab_size) + d2t
-            model.lm_head.weight.copy_(head_weight.detach().to(model.lm_head.weight.device, torch.float32)[ids.to(head_weight.device)])
+            model.lm_head.weight.copy_(
+                head_weight.detach().to(model.lm_head.weight.device, torch.float32)[ids.to(head_weight.device)]
+            )
         return model

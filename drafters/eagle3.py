@@ -127,8 +127,16 @@ class Eagle3Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return self.o_proj(out), (k, v)
 
-    def cached(self, x, cos, sin, cache: KVCache, layer: int, key_mask: torch.Tensor | None = None,
-               attn_mask: torch.Tensor | None = None):
+    def cached(
+        self,
+        x,
+        cos,
+        sin,
+        cache: KVCache,
+        layer: int,
+        key_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ):
         """Causal attention of new entries over the cache plus themselves (inference). `key_mask` [B, total]
         marks valid cache slots (batched decoding leaves padding and rejected drafts as masked holes)."""
         B, n, _ = x.shape
@@ -204,7 +212,9 @@ class Eagle3Drafter(DrafterBase):
         # confidence head: P(this drafted position is accepted | the previous ones were), from the normed
         # hidden state and the embedding of the token the position conditions on (a small MLP; serving
         # engines ignore it, draftsmith's eval uses it for adaptive verification)
-        self.confidence = nn.Sequential(nn.Linear(2 * H, cfg.confidence_hidden), nn.SiLU(), nn.Linear(cfg.confidence_hidden, 1))
+        self.confidence = nn.Sequential(
+            nn.Linear(2 * H, cfg.confidence_hidden), nn.SiLU(), nn.Linear(cfg.confidence_hidden, 1)
+        )
         self.rotary = LlamaRotaryEmbedding(cfg.layer_config())
         # An fp32 copy outside the module's buffers: casting the drafter to bf16 must not round the RoPE
         # frequencies (a 0.1% frequency error shifts attention at long positions).
@@ -238,13 +248,15 @@ class Eagle3Drafter(DrafterBase):
         pasts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.all_layers()]
         outputs = []
         for i in range(steps):
-            tokens = F.pad(input_ids[:, 1 + i:], (0, 1 + i), value=0)
+            tokens = F.pad(input_ids[:, 1 + i :], (0, 1 + i), value=0)
             embeds = self.embed_tokens(tokens).to(hidden.dtype)
             cos, sin = self._rope(base + i, hidden)
             h = hidden
             for li, layer in enumerate(self.all_layers()):
                 if checkpoint and self.training:
-                    h, kv = torch.utils.checkpoint.checkpoint(layer.ttt, h, embeds, cos, sin, list(pasts[li]), use_reentrant=False)
+                    h, kv = torch.utils.checkpoint.checkpoint(
+                        layer.ttt, h, embeds, cos, sin, list(pasts[li]), use_reentrant=False
+                    )
                 else:
                     h, kv = layer.ttt(h, embeds, cos, sin, pasts[li])
                 pasts[li].append(kv)
@@ -259,8 +271,16 @@ class Eagle3Drafter(DrafterBase):
         return KVCache(len(self.all_layers()))
 
     @torch.no_grad()
-    def decode(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-               from_target: bool, key_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None):
+    def decode(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        from_target: bool,
+        key_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ):
         """Cached forward of n new entries. `hidden` is target aux features (from_target) or the drafter's own
         pre-norm output; `tokens` the next tokens; `key_mask` [B, cache+n] the valid slots (batched decoding).
         Returns (logits, confidence logits, pre-norm hidden)."""
@@ -275,16 +295,27 @@ class Eagle3Drafter(DrafterBase):
     # ------------------------------------------------------------------------------------ construction
 
     @classmethod
-    def from_target(cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, embed_weight: torch.Tensor,
-                    d2t: torch.Tensor, t2d: torch.Tensor, num_layers: int = 1, head_weight: torch.Tensor | None = None,
-                    **overrides) -> "Eagle3Drafter":
+    def from_target(
+        cls,
+        target_config,
+        aux_layer_ids: list[int],
+        draft_vocab_size: int,
+        embed_weight: torch.Tensor,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        num_layers: int = 1,
+        head_weight: torch.Tensor | None = None,
+        **overrides,
+    ) -> Eagle3Drafter:
         """A drafter shaped like the target's layers (overridable), with the target's embedding copied in. With
         `head_weight` (the target's LM head [V, H]), `lm_head` starts from its draft-vocab rows (and stays
         trainable): with little data, a head learned from scratch is what limits acceptance."""
         fields = {**target_shape_fields(target_config, aux_layer_ids, draft_vocab_size), "num_layers": num_layers}
         fields.update({k: v for k, v in overrides.items() if v is not None})
         if fields["hidden_size"] != target_config.hidden_size:
-            raise ValueError("the drafter shares the target's (frozen) embedding, so its hidden size must equal the target's")
+            raise ValueError(
+                "the drafter shares the target's (frozen) embedding, so its hidden size must equal the target's"
+            )
         model = cls(Eagle3Config(**fields))
         with torch.no_grad():
             model.embed_tokens.weight.copy_(embed_weight)

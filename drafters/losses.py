@@ -24,10 +24,14 @@ class Teacher:
     in_vocab: torch.Tensor
     """[B, T] whether that argmax is in the draft vocab."""
 
-    def shifted(self, n: int) -> "Teacher":
+    def shifted(self, n: int) -> Teacher:
         """The teacher at position t+n for every slot t (zeros / False past the end)."""
-        return Teacher(shift(self.probs, n), shift(self.exact, n) if self.exact is not None else None,
-                       shift(self.argmax, n), shift(self.in_vocab, n))
+        return Teacher(
+            shift(self.probs, n),
+            shift(self.exact, n) if self.exact is not None else None,
+            shift(self.argmax, n),
+            shift(self.in_vocab, n),
+        )
 
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -39,8 +43,9 @@ def shift(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_from_final(final: torch.Tensor, head_weight: torch.Tensor, draft_ids: torch.Tensor, temperature: float,
-                       chunk: int = 2048) -> Teacher:
+def teacher_from_final(
+    final: torch.Tensor, head_weight: torch.Tensor, draft_ids: torch.Tensor, temperature: float, chunk: int = 2048
+) -> Teacher:
     """Teacher from final normed hidden states [B,T,H] and the target's lm_head weight [V,H].
 
     The full-vocabulary logits are computed in chunks of `chunk` positions (for the argmax and the
@@ -55,7 +60,7 @@ def teacher_from_final(final: torch.Tensor, head_weight: torch.Tensor, draft_ids
     probs, exact, argmax = [], [], []
     for start in range(0, flat.shape[0], chunk):
         with torch.autocast(final.device.type, enabled=False):
-            logits = flat[start:start + chunk] @ weight.T
+            logits = flat[start : start + chunk] @ weight.T
         argmax.append(logits.argmax(-1))
         cols = logits[:, draft_ids]
         probs.append(torch.softmax(cols / t_soft, dim=-1))

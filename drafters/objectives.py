@@ -12,8 +12,14 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from draftsmith.drafters.losses import (acceptance, draft_distribution, position_losses, shift, simulated_acceptance_length,
-                             teacher_from_final)
+from draftsmith.drafters.losses import (
+    acceptance,
+    draft_distribution,
+    position_losses,
+    shift,
+    simulated_acceptance_length,
+    teacher_from_final,
+)
 from draftsmith.drafters.vocab import draft_to_target_ids
 
 
@@ -33,8 +39,9 @@ class ObjectiveSettings:
     """Gradient checkpointing of each TTT step's layers."""
 
 
-def eagle3_objective(model, batch: dict[str, Any], head_weight: torch.Tensor, s: ObjectiveSettings,
-                     buffers=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def eagle3_objective(
+    model, batch: dict[str, Any], head_weight: torch.Tensor, s: ObjectiveSettings, buffers=None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TTT loss over one padded batch. `model` may be a DDP/DeepSpeed wrapper (its forward is the TTT unroll);
     `buffers` is the unwrapped drafter, for its d2t buffer."""
     inner = buffers if buffers is not None else model
@@ -56,7 +63,7 @@ def eagle3_objective(model, batch: dict[str, Any], head_weight: torch.Tensor, s:
         alpha = acceptance(logits, t_i, draft_ids, s.temperature)
         bce = F.binary_cross_entropy_with_logits(conf.float(), alpha, reduction="none")
         denom = n.clamp_min(1)
-        total = total + (s.step_decay ** i) * (per_pos * mask).sum() / denom
+        total = total + (s.step_decay**i) * (per_pos * mask).sum() / denom
         total = total + s.confidence_weight * (bce * mask).sum() / denom
         with torch.no_grad():
             correct = (draft_ids[logits.argmax(-1)] == t_i.argmax).float()
@@ -118,14 +125,17 @@ class DSparkObjectiveSettings:
         return self.block_size
 
 
-def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor, ids: list[str], count: int, seed: int,
-                   epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, attention_mask: torch.Tensor, ids: list[str], count: int, seed: int, epoch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchors [B, A], valid [B, A]): up to `count` distinct positions p per sequence whose next token p+1 is
     supervised, drawn without replacement by a generator seeded from (seed, epoch, sequence id) so a resumed run
     and every rank draw the same anchors. Sorted; padding anchors are 0 and invalid."""
     import zlib
 
-    supervised_next = shift(loss_mask.bool() & attention_mask.bool(), 1)  # p is an anchor candidate if p+1 is supervised
+    supervised_next = shift(
+        loss_mask.bool() & attention_mask.bool(), 1
+    )  # p is an anchor candidate if p+1 is supervised
     chosen = []
     for b, sid in enumerate(ids):
         cand = supervised_next[b].nonzero().flatten().cpu()
@@ -149,8 +159,9 @@ def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner
     loss_mask = (batch["loss_mask"].to(device) > 0) & attention
     B, T = input_ids.shape
     G = s.block_size
-    anchors, anchor_valid = sample_anchors(loss_mask, attention, list(batch["ids"]), s.anchors_per_sequence, s.seed,
-                                           int(batch.get("epoch", 0)))
+    anchors, anchor_valid = sample_anchors(
+        loss_mask, attention, list(batch["ids"]), s.anchors_per_sequence, s.seed, int(batch.get("epoch", 0))
+    )
     pos = anchors[..., None] + torch.arange(G, device=device)  # slot k of anchor p: teacher at p+k, predicts p+k+1
     # a slot counts while every slot before it does: the chain of a block stops at the end of the assistant turn
     nxt = (pos + 1).clamp_max(T - 1)
@@ -172,8 +183,9 @@ def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner
     return logits.reshape(B, -1, D), conf.reshape(B, -1), teacher, valid.reshape(B, -1), draft_ids
 
 
-def dspark_objective(model, batch: dict[str, Any], head_weight: torch.Tensor, s: DSparkObjectiveSettings,
-                     buffers=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dspark_objective(
+    model, batch: dict[str, Any], head_weight: torch.Tensor, s: DSparkObjectiveSettings, buffers=None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`ce_weight·CE + tv_weight·TV + bce_weight·BCE` per slot, weighted exp(-k/decay), masked mean over the
     valid slots of every block. TV is against the target's full-vocabulary distribution (at temperature 0:
     against its softmax at temperature 1), so 1 - TV is exactly the acceptance probability the confidence head
@@ -199,8 +211,14 @@ def dspark_objective(model, batch: dict[str, Any], head_weight: torch.Tensor, s:
     with torch.no_grad():
         correct = (draft_ids[logits.argmax(-1)] == teacher.argmax).float()
         by_slot = lambda x: (x * mask).view(B, -1, G).sum((0, 1))  # noqa: E731
-        n, l_, a_, al, bc, cf = (by_slot(torch.ones_like(mask)), by_slot(per), by_slot(correct), by_slot(alpha),
-                                 by_slot(bce), by_slot(torch.sigmoid(conf.float())))
+        n, l_, a_, al, bc, cf = (
+            by_slot(torch.ones_like(mask)),
+            by_slot(per),
+            by_slot(correct),
+            by_slot(alpha),
+            by_slot(bce),
+            by_slot(torch.sigmoid(conf.float())),
+        )
         for k in range(G):
             stats[f"n_{k}"], stats[f"loss_{k}"], stats[f"acc_{k}"] = n[k], l_[k], a_[k]
             stats[f"accept_{k}"], stats[f"bce_{k}"], stats[f"conf_{k}"] = al[k], bc[k], cf[k]

@@ -3,8 +3,9 @@ and eval only go through this table, so a new family plugs in by adding a row.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from draftsmith.drafters.dspark import DSparkDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter

@@ -9,7 +9,7 @@ Rows that have finished keep feeding a dummy token, and their outputs are ignore
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -35,8 +35,13 @@ class BatchedHFTarget:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor):
         hooks = AuxHooks(self.base, self.aux_ids)
         with hooks:
-            out = self.model(input_ids=ids.to(self.device), attention_mask=self.key_mask.long().to(self.device),
-                             position_ids=positions.to(self.device), use_cache=True, **{self._cache_kw: self.cache})
+            out = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=self.key_mask.long().to(self.device),
+                position_ids=positions.to(self.device),
+                use_cache=True,
+                **{self._cache_kw: self.cache},
+            )
         self.passes += 1
         return out.logits.float(), (hooks.concat() if self.aux_ids else None)
 
@@ -52,8 +57,8 @@ class BatchedHFTarget:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         valid = torch.zeros(len(prompts), width, dtype=torch.bool)
         for b, p in enumerate(prompts):
-            ids[b, width - len(p):] = torch.tensor(list(p))
-            valid[b, width - len(p):] = True
+            ids[b, width - len(p) :] = torch.tensor(list(p))
+            valid[b, width - len(p) :] = True
         self.key_mask = valid.clone()
         positions = (valid.long().cumsum(1) - 1).clamp_min(0)
         self.next_pos = torch.tensor([len(p) for p in prompts])
@@ -70,7 +75,7 @@ class BatchedHFTarget:
     def keep(self, b: int, n_new: int, kept: int) -> None:
         """Of the last `n_new` slots of row b, keep the first `kept` (the rest become holes)."""
         total = self.key_mask.shape[1]
-        self.key_mask[b, total - n_new + kept:] = False
+        self.key_mask[b, total - n_new + kept :] = False
         self.next_pos[b] += kept
 
 
@@ -101,8 +106,14 @@ class BatchedEagle3(BatchedDrafting):
 
     def _extend(self, feats, tokens, valid, positions):
         self.key_mask = torch.cat([self.key_mask, valid.to(self.device)], dim=1)
-        logits, conf, h = self.drafter.decode(feats.to(self.device), tokens.to(self.device), positions.to(self.device),
-                                              self.cache, from_target=True, key_mask=self.key_mask)
+        logits, conf, h = self.drafter.decode(
+            feats.to(self.device),
+            tokens.to(self.device),
+            positions.to(self.device),
+            self.cache,
+            from_target=True,
+            key_mask=self.key_mask,
+        )
         return logits, conf, h
 
     @torch.no_grad()
@@ -112,7 +123,7 @@ class BatchedEagle3(BatchedDrafting):
         self.key_mask = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
         nxt = torch.zeros(B, P, dtype=torch.long)
         for b, p in enumerate(prompts):
-            nxt[b, P - len(p):] = torch.tensor(list(p[1:]) + [firsts[b]])
+            nxt[b, P - len(p) :] = torch.tensor(list(p[1:]) + [firsts[b]])
         positions = (valid.long().cumsum(1) - 1).clamp_min(0)
         logits, conf, h = self._extend(feats, nxt, valid, positions)
         self.pos = torch.tensor([len(p) for p in prompts])  # next step-0 position per row
@@ -134,8 +145,14 @@ class BatchedEagle3(BatchedDrafting):
             confs[:, i] = torch.sigmoid(conf).double().cpu()
             if i + 1 < k:
                 self.key_mask = torch.cat([self.key_mask, torch.ones(B, 1, dtype=torch.bool, device=self.device)], 1)
-                out, cf, h = self.drafter.decode(h, x[:, None].to(self.device), (self.pos + i)[:, None].to(self.device),
-                                                 self.cache, from_target=False, key_mask=self.key_mask)
+                out, cf, h = self.drafter.decode(
+                    h,
+                    x[:, None].to(self.device),
+                    (self.pos + i)[:, None].to(self.device),
+                    self.cache,
+                    from_target=False,
+                    key_mask=self.key_mask,
+                )
                 logits, conf = out[:, 0], cf[:, 0]
         return drafts, (torch.stack(qs, 1) if qs else None), confs
 
@@ -180,8 +197,9 @@ class BatchedDSpark(BatchedDrafting):
     @torch.no_grad()
     def propose(self, k: int, params: SamplingParams, gen):
         k = min(k, self.drafter.config.block_size)
-        h, base = self.drafter.draft_block(self.cache, self.anchor.to(self.device), self.pos.to(self.device),
-                                           context_mask=self.key_mask)
+        h, base = self.drafter.draft_block(
+            self.cache, self.anchor.to(self.device), self.pos.to(self.device), context_mask=self.key_mask
+        )
         B = h.shape[0]
         drafts = torch.zeros(B, k, dtype=torch.long)
         confs = torch.zeros(B, k, dtype=torch.float64)  # as the one-prompt proposers keep them (Python floats)
@@ -230,10 +248,20 @@ def adaptive_lengths(confs: torch.Tensor, threshold: float | None) -> list[int]:
     return [int(row.nonzero()[0]) if row.any() else k for row in below]
 
 
-def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: SamplingParams, gamma: int,
-                 max_new_tokens: int, stop_ids: Sequence[int] = (), generator: torch.Generator | None = None,
-                 drafter=None, pad_id: int = 0, max_ngram: int = 3,
-                 confidence_threshold: float | None = None) -> list[DecodeResult]:
+def decode_batch(
+    model,
+    prompts: Sequence[Sequence[int]],
+    kind: str,
+    params: SamplingParams,
+    gamma: int,
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    drafter=None,
+    pad_id: int = 0,
+    max_ngram: int = 3,
+    confidence_threshold: float | None = None,
+) -> list[DecodeResult]:
     """Decode a batch of prompts with `kind` in none | prompt_lookup | eagle3 | dspark (the last two need `drafter`).
     `gamma` is the chain length; a DSpark drafter drafts min(gamma, its block size). With `confidence_threshold`,
     each row of a trained drafter keeps its drafts only while their running confidence stays above it."""
@@ -247,8 +275,10 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], kind: str, params: Sam
     draft_seconds = verify_seconds = 0.0
     logits, feats, valid = target.prefill(prompts)
     B = len(prompts)
-    firsts = [int(logits[b, -1].argmax()) if params.greedy else sample(probs_from_logits(logits[b, -1], params), generator)
-              for b in range(B)]
+    firsts = [
+        int(logits[b, -1].argmax()) if params.greedy else sample(probs_from_logits(logits[b, -1], params), generator)
+        for b in range(B)
+    ]
     results = [DecodeResult(tokens=[f]) for f in firsts]
     history = [list(p) + [f] for p, f in zip(prompts, firsts)]
     active = [len(r.tokens) < max_new_tokens and r.tokens[-1] not in stops for r in results]

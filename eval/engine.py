@@ -7,8 +7,8 @@ the prefill pass (which yields the first token) is not a verification pass and i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -60,10 +60,19 @@ class TreeSpec:
     """Nodes verified per round."""
 
 
-def decode(target, proposer, prompt: Sequence[int], params: SamplingParams, gamma: int, max_new_tokens: int,
-           stop_ids: Sequence[int] = (), generator: torch.Generator | None = None,
-           verify: Callable = sampling_verify, tree: TreeSpec | None = None,
-           tree_verify: Callable | None = None) -> DecodeResult:
+def decode(
+    target,
+    proposer,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    gamma: int,
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    verify: Callable = sampling_verify,
+    tree: TreeSpec | None = None,
+    tree_verify: Callable | None = None,
+) -> DecodeResult:
     """Speculative decoding of one prompt. `target` has reset/step/rollback/length (eval.runner.HFTarget);
     `proposer` is one of eval.proposers. With `tree`, each round drafts a token tree (the proposer needs
     `propose_tree`) and verifies it in one pass. `verify` / `tree_verify` are the sampling rules (swappable

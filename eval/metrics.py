@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from draftsmith.eval.engine import DecodeResult
 
@@ -72,4 +73,10 @@ def calibration(results: Sequence[DecodeResult], bins: int = 10) -> dict[str, An
 
     e, table = ece(pos_pairs)
     se, stable = ece(surv_pairs)
-    return {"ece": e, "reliability": table, "survival_ece": se, "survival_reliability": stable, "positions": len(pos_pairs)}
+    return {
+        "ece": e,
+        "reliability": table,
+        "survival_ece": se,
+        "survival_reliability": stable,
+        "positions": len(pos_pairs),
+    }

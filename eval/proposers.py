@@ -9,7 +9,7 @@ sampled from), then learn what the target committed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -24,7 +24,9 @@ class NoDraft:
     def start(self, prompt: Sequence[int], first: int, feats) -> None:
         pass
 
-    def propose(self, history: Sequence[int], k: int, params: SamplingParams, gen) -> tuple[list[int], torch.Tensor | None, list[float]]:
+    def propose(
+        self, history: Sequence[int], k: int, params: SamplingParams, gen
+    ) -> tuple[list[int], torch.Tensor | None, list[float]]:
         return [], None, []
 
     def commit(self, drafts: Sequence[int], n: int, new: int, feats) -> None:
@@ -45,8 +47,8 @@ class PromptLookup(NoDraft):
             tail = seq[-n:]
             # most recent earlier occurrence of the last n tokens
             for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start:start + n] == tail:
-                    follow = seq[start + n:start + n + k]
+                if seq[start : start + n] == tail:
+                    follow = seq[start + n : start + n + k]
                     if follow:
                         return follow, None, []
         return [], None, []
@@ -83,7 +85,9 @@ class Eagle3Proposer(TrainedProposer):
         n = len(next_tokens)
         pos = torch.arange(self.ctx, self.ctx + n, device=self.device).unsqueeze(0)
         toks = torch.tensor([list(next_tokens)], device=self.device)
-        logits, conf, h = self.drafter.decode(feats.unsqueeze(0).to(self.device), toks, pos, self.cache, from_target=True)
+        logits, conf, h = self.drafter.decode(
+            feats.unsqueeze(0).to(self.device), toks, pos, self.cache, from_target=True
+        )
         self.ctx += n
         self.last = (logits[0, -1], conf[0, -1], h[:, -1:])
 
@@ -132,7 +136,10 @@ class Eagle3Proposer(TrainedProposer):
         logp = torch.log_softmax(logits.float(), -1)
         top = torch.topk(logp, min(top_k, logp.numel()))
         for lp, d in zip(top.values.tolist(), top.indices.tolist()):
-            tree.tokens.append(int(self.ids[d])); tree.parents.append(-1); tree.depths.append(1); tree.scores.append(lp)
+            tree.tokens.append(int(self.ids[d]))
+            tree.parents.append(-1)
+            tree.depths.append(1)
+            tree.scores.append(lp)
         outputs: dict[int, torch.Tensor] = {-1: h_root}
         entry: dict[int, int] = {}  # node -> its slot in the drafter cache
         for d in range(1, depth):
@@ -152,11 +159,13 @@ class Eagle3Proposer(TrainedProposer):
             pos = torch.tensor([[self.ctx + d - 1] * n], device=self.device)
             out, _, h = self.drafter.decode(hidden, toks, pos, self.cache, from_target=False, attn_mask=mask)
             for row, i in enumerate(expand):
-                outputs[i] = h[:, row:row + 1]
+                outputs[i] = h[:, row : row + 1]
                 lp_row = torch.log_softmax(out[0, row].float(), -1)
                 top = torch.topk(lp_row, min(top_k, lp_row.numel()))
                 for lp, c in zip(top.values.tolist(), top.indices.tolist()):
-                    tree.tokens.append(int(self.ids[c])); tree.parents.append(i); tree.depths.append(d + 1)
+                    tree.tokens.append(int(self.ids[c]))
+                    tree.parents.append(i)
+                    tree.depths.append(d + 1)
                     tree.scores.append(tree.scores[i] + lp)
         return prune(tree, total)
 
@@ -200,8 +209,9 @@ class DSparkProposer(TrainedProposer):
     @torch.no_grad()
     def propose(self, history, k, params, gen):
         k = min(k, self.length)
-        h, base = self.drafter.draft_block(self.cache, torch.tensor([self.anchor], device=self.device),
-                                           torch.tensor([self.ctx], device=self.device))
+        h, base = self.drafter.draft_block(
+            self.cache, torch.tensor([self.anchor], device=self.device), torch.tensor([self.ctx], device=self.device)
+        )
         drafts, qs, confs = [], [], []
         survival = 1.0
         prev = self.anchor

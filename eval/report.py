@@ -10,9 +10,12 @@ def markdown_table(ev: dict[str, Any]) -> str:
     lines = []
     for run in ev["runs"]:
         st = ev["settings"]
-        shape = (f"tree depth {st['tree_depth']} / top-k {st['tree_top_k']} / {st['tree_nodes']} nodes for the trained "
-                 f"drafter, chain γ = {st['draft_length']} for prompt lookup" if st.get("tree_depth")
-                 else f"chain γ = {st['draft_length']}")
+        shape = (
+            f"tree depth {st['tree_depth']} / top-k {st['tree_top_k']} / {st['tree_nodes']} nodes for the trained "
+            f"drafter, chain γ = {st['draft_length']} for prompt lookup"
+            if st.get("tree_depth")
+            else f"chain γ = {st['draft_length']}"
+        )
         lengths = {d: n for d, n in (st.get("draft_lengths") or {}).items() if n != st["draft_length"] and d != "none"}
         if lengths:
             shape += " (" + ", ".join(f"{d}: {n} per round" for d, n in lengths.items()) + ")"
@@ -32,12 +35,17 @@ def markdown_table(ev: dict[str, Any]) -> str:
             cells = ["**all**", str(plain["prompts"]), f"{plain['tokens_per_s']:.1f}"]
             for d in drafters:
                 s = run["overall"][d]
-                cells += [f"**{s['tau']:.2f}**" if s["tau"] else "-", f"**{s['speedup']:.2f}x**" if s.get("speedup") else "-"]
+                cells += [
+                    f"**{s['tau']:.2f}**" if s["tau"] else "-",
+                    f"**{s['speedup']:.2f}x**" if s.get("speedup") else "-",
+                ]
             lines.append("| " + " | ".join(cells) + " |")
         if run.get("greedy_divergence"):
             lines.append("")
-            lines.append("Greedy outputs differing from plain decoding (floating-point near-ties): " + ", ".join(
-                f"{d}: {v['prompts']}/{v['of']}" for d, v in run["greedy_divergence"].items()))
+            lines.append(
+                "Greedy outputs differing from plain decoding (floating-point near-ties): "
+                + ", ".join(f"{d}: {v['prompts']}/{v['of']}" for d, v in run["greedy_divergence"].items())
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -56,9 +64,15 @@ def plots(ev: dict[str, Any], out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(domains)), 4))
         width = 0.8 / max(1, len(drafters))
         for j, d in enumerate(drafters):
-            ax.bar([i + j * width for i in range(len(domains))], [run["domains"][k][d]["tau"] or 0 for k in domains],
-                   width, label=d)
-        ax.set_xticks([i + width * (len(drafters) - 1) / 2 for i in range(len(domains))], domains, rotation=30, ha="right")
+            ax.bar(
+                [i + j * width for i in range(len(domains))],
+                [run["domains"][k][d]["tau"] or 0 for k in domains],
+                width,
+                label=d,
+            )
+        ax.set_xticks(
+            [i + width * (len(drafters) - 1) / 2 for i in range(len(domains))], domains, rotation=30, ha="right"
+        )
         ax.set_ylabel("acceptance length τ")
         ax.set_title(f"τ by domain ({tag})")
         ax.axhline(1.0, color="gray", lw=0.8)
@@ -88,8 +102,12 @@ def plots(ev: dict[str, Any], out: Path) -> list[str]:
             fig, ax = plt.subplots(figsize=(4.5, 4.5))
             ax.plot([0, 1], [0, 1], color="gray", lw=0.8)
             for d, c in calib.items():
-                ax.plot([b["confidence"] for b in c["reliability"]], [b["accuracy"] for b in c["reliability"]], marker="o",
-                        label=f"{d} (ECE {c['ece']:.3f})")
+                ax.plot(
+                    [b["confidence"] for b in c["reliability"]],
+                    [b["accuracy"] for b in c["reliability"]],
+                    marker="o",
+                    label=f"{d} (ECE {c['ece']:.3f})",
+                )
             ax.set_xlabel("confidence")
             ax.set_ylabel("accepted fraction")
             ax.set_title(f"reliability ({tag})")

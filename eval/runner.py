@@ -7,7 +7,7 @@ drafted chain, or a plain decoding step); `rollback` trims the cache after rejec
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -66,8 +66,13 @@ class HFTarget:
         ids = torch.tensor([[root] + list(tree.tokens)], device=self.device)
         hooks = AuxHooks(self.base, self.aux_ids)
         with hooks:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                             **{self._cache_kw: self.cache})
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_kw: self.cache},
+            )
         self.passes += 1
         return out.logits[0].float(), (hooks.concat()[0] if self.aux_ids else None)
 

@@ -46,8 +46,12 @@ def prune(tree: Tree, total: int) -> Tree:
     best = sorted(range(len(tree)), key=lambda i: -tree.scores[i])[:total]
     keep = sorted({a for i in best for a in tree.ancestors(i)}, key=lambda i: (tree.depths[i], -tree.scores[i]))
     index = {old: new for new, old in enumerate(keep)}
-    return Tree([tree.tokens[i] for i in keep], [index.get(tree.parents[i], -1) for i in keep],
-                [tree.depths[i] for i in keep], [tree.scores[i] for i in keep])
+    return Tree(
+        [tree.tokens[i] for i in keep],
+        [index.get(tree.parents[i], -1) for i in keep],
+        [tree.depths[i] for i in keep],
+        [tree.scores[i] for i in keep],
+    )
 
 
 def tree_mask(tree: Tree, past: int) -> torch.Tensor:

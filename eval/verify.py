@@ -8,7 +8,7 @@ The output of a round is then distributed exactly as the target's own sampling (
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -31,7 +31,9 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r / total if total > 0 else p
 
 
-def sampling_verify(drafts: Sequence[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None) -> tuple[int, int]:
+def sampling_verify(
+    drafts: Sequence[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
     """(number kept, next token). q: [k, V] the distributions the drafts were sampled from; p: [k+1, V] target."""
     for i, x in enumerate(drafts):
         px, qx = float(p[i, x]), float(q[i, x])

@@ -49,15 +49,26 @@ def main() -> None:
     target = load_target(ModelConfig(target=args.target, dtype=args.model_dtype))
     tok, model = target.tokenizer, target.model
     rng = random.Random(0)
-    prompts = [prompt_ids(tok, c["messages"][:1]) for c in iter_conversations(SourceConfig(builtin="mtbench"), Counter())]
+    prompts = [
+        prompt_ids(tok, c["messages"][:1]) for c in iter_conversations(SourceConfig(builtin="mtbench"), Counter())
+    ]
     records = []
     for i in range(args.samples):
         p = prompts[i % len(prompts)]
         n = rng.randint(max(args.min_len, len(p) + 1), args.max_len)
         ids = p + [rng.randrange(100, 20000) for _ in range(n - len(p))]
         mask = [0] * len(p) + [1] * (n - len(p))
-        records.append({"id": f"b{i}", "domain": "bench", "split": "train", "input_ids": ids, "loss_mask": mask,
-                        "num_tokens": n, "num_supervised": n - len(p)})
+        records.append(
+            {
+                "id": f"b{i}",
+                "domain": "bench",
+                "split": "train",
+                "input_ids": ids,
+                "loss_mask": mask,
+                "num_tokens": n,
+                "num_supervised": n - len(p),
+            }
+        )
     tokens = sum(r["num_tokens"] for r in records)
     shards = shard_plan([r["num_tokens"] for r in records], args.shard_tokens)
     capture = FeatureCapture(model, None)
@@ -91,11 +102,15 @@ def main() -> None:
         collect_rates.append(collect())
     b, c = statistics.median(bare_rates), statistics.median(collect_rates)
     bpt = bytes_per_token(len(capture.aux_ids), capture.hidden_size, args.dtype)
-    print(f"target={args.target} model_dtype={args.model_dtype} feature_dtype={args.dtype} device={device} "
-          f"threads={torch.get_num_threads()} samples={len(records)} tokens={tokens} aux_ids={capture.aux_ids}")
+    print(
+        f"target={args.target} model_dtype={args.model_dtype} feature_dtype={args.dtype} device={device} "
+        f"threads={torch.get_num_threads()} samples={len(records)} tokens={tokens} aux_ids={capture.aux_ids}"
+    )
     print(f"bare forward (model.model): {b:8.1f} tok/s   runs: {', '.join(f'{x:.0f}' for x in bare_rates)}")
     print(f"collect (capture + store):  {c:8.1f} tok/s   runs: {', '.join(f'{x:.0f}' for x in collect_rates)}")
-    print(f"collect / bare: {c / b:.1%}   bytes/token: {bpt} ({bpt * tokens / 2**20:.1f} MiB for these {tokens} tokens)")
+    print(
+        f"collect / bare: {c / b:.1%}   bytes/token: {bpt} ({bpt * tokens / 2**20:.1f} MiB for these {tokens} tokens)"
+    )
 
 
 if __name__ == "__main__":

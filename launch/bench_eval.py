@@ -31,6 +31,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from collections import Counter
 
+    from transformers import GenerationConfig
+
     from draftsmith.data.chat import prompt_ids, stop_token_ids
     from draftsmith.data.sources import iter_conversations
     from draftsmith.eval.engine import decode
@@ -39,7 +41,6 @@ def main() -> None:
     from draftsmith.eval.sampling import SamplingParams
     from draftsmith.pipeline.config import ModelConfig, SourceConfig
     from draftsmith.pipeline.target import load_target
-    from transformers import GenerationConfig
 
     target = load_target(ModelConfig(target=args.target, dtype=args.dtype))
     model, tok = target.model, target.tokenizer
@@ -50,13 +51,18 @@ def main() -> None:
     greedy = SamplingParams()
 
     def hf(**extra):
-        cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stops,
-                               pad_token_id=tok.pad_token_id, **extra)
+        cfg = GenerationConfig(
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=tok.pad_token_id,
+            **extra,
+        )
         outs, t0 = [], time.perf_counter()
         for p in prompts:
             ids = torch.tensor([p], device=target.device)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-            outs.append(out[0, len(p):].tolist())
+            outs.append(out[0, len(p) :].tolist())
         return outs, time.perf_counter() - t0
 
     def engine(proposer, runner):
@@ -74,22 +80,49 @@ def main() -> None:
     n_base = sum(len(o) for o in base_out)
     rows.append(("engine, plain decoding", n_base, base_t, 1.0, 0))
     out, t = hf()
-    rows.append(("transformers generate, plain", sum(len(o) for o in out), t, None, sum(o != b for o, b in zip(out, base_out))))
+    rows.append(
+        ("transformers generate, plain", sum(len(o) for o in out), t, None, sum(o != b for o, b in zip(out, base_out)))
+    )
     out, t, tau = engine(PromptLookup(), plain_runner)
-    rows.append((f"engine, prompt lookup (γ={args.gamma})", sum(len(o) for o in out), t, tau, sum(o != b for o, b in zip(out, base_out))))
+    rows.append(
+        (
+            f"engine, prompt lookup (γ={args.gamma})",
+            sum(len(o) for o in out),
+            t,
+            tau,
+            sum(o != b for o, b in zip(out, base_out)),
+        )
+    )
     out, t = hf(prompt_lookup_num_tokens=args.gamma)
-    rows.append((f"transformers generate, prompt_lookup_num_tokens={args.gamma}", sum(len(o) for o in out), t, None,
-                 sum(o != b for o, b in zip(out, base_out))))
+    rows.append(
+        (
+            f"transformers generate, prompt_lookup_num_tokens={args.gamma}",
+            sum(len(o) for o in out),
+            t,
+            None,
+            sum(o != b for o, b in zip(out, base_out)),
+        )
+    )
     if args.drafter:
         from draftsmith.drafters.registry import load_drafter
 
         d = load_drafter(args.drafter).to(target.device, model.dtype)
         out, t, tau = engine(Eagle3Proposer(d), HFTarget(model, aux_ids=d.config.aux_layer_ids))
-        rows.append((f"engine, EAGLE-3 (γ={args.gamma})", sum(len(o) for o in out), t, tau, sum(o != b for o, b in zip(out, base_out))))
+        rows.append(
+            (
+                f"engine, EAGLE-3 (γ={args.gamma})",
+                sum(len(o) for o in out),
+                t,
+                tau,
+                sum(o != b for o, b in zip(out, base_out)),
+            )
+        )
 
     base_rate = n_base / base_t
-    print(f"target={args.target} dtype={args.dtype} device={target.device} threads={torch.get_num_threads()} "
-          f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens} greedy")
+    print(
+        f"target={args.target} dtype={args.dtype} device={target.device} threads={torch.get_num_threads()} "
+        f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens} greedy"
+    )
     print(f"{'method':<52} {'tokens':>6} {'tok/s':>7} {'τ':>5} {'speedup':>8} {'differs':>8}")
     for name, n, t, tau, diff in rows:
         tau_s = f"{tau:.2f}" if tau else "-"

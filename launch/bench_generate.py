@@ -22,7 +22,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="number of MT-Bench first-turn prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,16")
-    ap.add_argument("--attn", default=None, choices=["sdpa", "eager"], help="attention implementation (default: the model's)")
+    ap.add_argument(
+        "--attn", default=None, choices=["sdpa", "eager"], help="attention implementation (default: the model's)"
+    )
     ap.add_argument("--repeats", type=int, default=1, help="runs per batch size; the median is reported")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     args = ap.parse_args()
@@ -47,8 +49,10 @@ def main() -> None:
     HFGenerator(model, tok.pad_token_id, stops, 4).generate(prompts[:4], Sampling(max_new_tokens=8), 0)  # warm-up
 
     device = target.device
-    print(f"target={args.target} dtype={args.dtype} device={device} threads={torch.get_num_threads()} "
-          f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens}")
+    print(
+        f"target={args.target} dtype={args.dtype} device={device} threads={torch.get_num_threads()} "
+        f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens}"
+    )
     rows = []
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         rates, tokens = [], 0

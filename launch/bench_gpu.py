@@ -54,14 +54,50 @@ class Sizes:
     gamma: int
 
 
-REAL = Sizes(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256, draft_vocab=32000, ttt_steps=7,
-             batch_tokens=8192, seq_len=2048, train_steps=12, collect_hidden=2048, collect_layers=16, collect_heads=32,
-             collect_intermediate=8192, collect_tokens=16384, collect_batches=6, prompts=4, prompt_len=256,
-             max_new_tokens=128, gamma=5)
-TINY = Sizes(hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512, draft_vocab=128, ttt_steps=3,
-             batch_tokens=128, seq_len=64, train_steps=2, collect_hidden=64, collect_layers=8, collect_heads=4,
-             collect_intermediate=128, collect_tokens=256, collect_batches=2, prompts=2, prompt_len=16,
-             max_new_tokens=8, gamma=3)
+REAL = Sizes(
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    intermediate=14336,
+    vocab=128256,
+    draft_vocab=32000,
+    ttt_steps=7,
+    batch_tokens=8192,
+    seq_len=2048,
+    train_steps=12,
+    collect_hidden=2048,
+    collect_layers=16,
+    collect_heads=32,
+    collect_intermediate=8192,
+    collect_tokens=16384,
+    collect_batches=6,
+    prompts=4,
+    prompt_len=256,
+    max_new_tokens=128,
+    gamma=5,
+)
+TINY = Sizes(
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    intermediate=128,
+    vocab=512,
+    draft_vocab=128,
+    ttt_steps=3,
+    batch_tokens=128,
+    seq_len=64,
+    train_steps=2,
+    collect_hidden=64,
+    collect_layers=8,
+    collect_heads=4,
+    collect_intermediate=128,
+    collect_tokens=256,
+    collect_batches=2,
+    prompts=2,
+    prompt_len=16,
+    max_new_tokens=8,
+    gamma=3,
+)
 
 
 def _sync(device) -> None:
@@ -88,9 +124,18 @@ def _reset_peak(device) -> None:
 def _llama_config(hidden, layers, heads, kv_heads, intermediate, vocab):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       head_dim=hidden // heads, intermediate_size=intermediate, vocab_size=vocab,
-                       max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -123,9 +168,13 @@ def bench_train(s: Sizes, device, dtype, peak_tflops: float | None) -> dict[str,
         ids = torch.randint(0, s.vocab, (rows, s.seq_len))
         mask = torch.ones(rows, s.seq_len, dtype=torch.uint8)
         mask[:, : s.seq_len // 4] = 0  # a prompt part without loss, as in chat data
-        return {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones(rows, s.seq_len, dtype=torch.bool),
-                "aux": torch.randn(rows, s.seq_len, len(aux_ids) * s.hidden, device=device, dtype=dtype),
-                "final": torch.randn(rows, s.seq_len, s.hidden, device=device, dtype=dtype)}
+        return {
+            "input_ids": ids,
+            "loss_mask": mask,
+            "attention_mask": torch.ones(rows, s.seq_len, dtype=torch.bool),
+            "aux": torch.randn(rows, s.seq_len, len(aux_ids) * s.hidden, device=device, dtype=dtype),
+            "final": torch.randn(rows, s.seq_len, s.hidden, device=device, dtype=dtype),
+        }
 
     batches = [batch() for _ in range(2)]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -145,18 +194,36 @@ def bench_train(s: Sizes, device, dtype, peak_tflops: float | None) -> dict[str,
         if step >= 2:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    shape = DrafterShape("eagle3", s.hidden, 1, s.heads, s.kv_heads, s.hidden // s.heads, s.intermediate,
-                         len(aux_ids), s.draft_vocab, s.vocab)
+    shape = DrafterShape(
+        "eagle3",
+        s.hidden,
+        1,
+        s.heads,
+        s.kv_heads,
+        s.hidden // s.heads,
+        s.intermediate,
+        len(aux_ids),
+        s.draft_vocab,
+        s.vocab,
+    )
     params = eagle3_params(shape)
     target = TargetShape(s.hidden, 32, s.heads, s.kv_heads, s.hidden // s.heads, s.intermediate, s.vocab, 0, 0)
     flops = sum(eagle3_flops(shape, params, target, s.ttt_steps, s.seq_len).values())
     tok_s = tokens / step_s
     counted = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     return {
-        "trainable_params": counted, "trainable_params_formula": params.trainable, "ttt_steps": s.ttt_steps,
-        "draft_vocab": s.draft_vocab, "target_vocab": s.vocab, "batch": f"{rows} x {s.seq_len}", "step_ms": step_s * 1e3,
-        "tokens_per_s": tok_s, "flops_per_token": flops, "achieved_tflops": tok_s * flops / 1e12,
-        "mfu": tok_s * flops / (peak_tflops * 1e12) if peak_tflops else None, "peak_memory_mib": _peak_mib(device),
+        "trainable_params": counted,
+        "trainable_params_formula": params.trainable,
+        "ttt_steps": s.ttt_steps,
+        "draft_vocab": s.draft_vocab,
+        "target_vocab": s.vocab,
+        "batch": f"{rows} x {s.seq_len}",
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": tok_s,
+        "flops_per_token": flops,
+        "achieved_tflops": tok_s * flops / 1e12,
+        "mfu": tok_s * flops / (peak_tflops * 1e12) if peak_tflops else None,
+        "peak_memory_mib": _peak_mib(device),
     }
 
 
@@ -167,8 +234,14 @@ def _random_llama(s: Sizes, device, dtype):
     import torch
     from transformers import LlamaForCausalLM
 
-    config = _llama_config(s.collect_hidden, s.collect_layers, s.collect_heads, max(1, s.collect_heads // 4),
-                           s.collect_intermediate, s.vocab)
+    config = _llama_config(
+        s.collect_hidden,
+        s.collect_layers,
+        s.collect_heads,
+        max(1, s.collect_heads // 4),
+        s.collect_intermediate,
+        s.vocab,
+    )
     torch.manual_seed(0)
     with torch.device(device):  # initialize on the GPU directly: a 1B model's CPU init takes a minute
         model = LlamaForCausalLM(config)
@@ -204,9 +277,15 @@ def bench_collect(s: Sizes, model, device) -> dict[str, Any]:
     _reset_peak(device)
     t_bare, t_collect = timed(bare), timed(collect)
     n = rows * s.seq_len * len(batches)
-    return {"params": sum(p.numel() for p in model.parameters()), "aux_layer_ids": capture.aux_ids,
-            "tokens": n, "bare_forward_tokens_per_s": n / t_bare, "collect_tokens_per_s": n / t_collect,
-            "collect_vs_bare": t_bare / t_collect, "peak_memory_mib": _peak_mib(device)}
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "aux_layer_ids": capture.aux_ids,
+        "tokens": n,
+        "bare_forward_tokens_per_s": n / t_bare,
+        "collect_tokens_per_s": n / t_collect,
+        "collect_vs_bare": t_bare / t_collect,
+        "peak_memory_mib": _peak_mib(device),
+    }
 
 
 # --------------------------------------------------------------------------------------- verification
@@ -227,14 +306,17 @@ def bench_verify(s: Sizes, model, device, dtype) -> dict[str, Any]:
     aux = default_aux_ids(model.config.num_hidden_layers)
     d2t, t2d = select_draft_vocab(torch.randint(0, 1000, (s.vocab,)), min(s.draft_vocab, s.vocab))
     with torch.device(device):
-        drafter = Eagle3Drafter.from_target(model.config, aux, d2t.numel(), model.get_input_embeddings().weight.float().cpu(),
-                                            d2t, t2d)
+        drafter = Eagle3Drafter.from_target(
+            model.config, aux, d2t.numel(), model.get_input_embeddings().weight.float().cpu(), d2t, t2d
+        )
     drafter = drafter.to(device, dtype).eval()
     prompts = [torch.randint(0, s.vocab, (s.prompt_len,)).tolist() for _ in range(s.prompts)]
     greedy = SamplingParams()
     out: dict[str, Any] = {}
-    for name, proposer, runner in [("plain", NoDraft(), HFTarget(model)),
-                                   ("eagle3", Eagle3Proposer(drafter), HFTarget(model, aux))]:
+    for name, proposer, runner in [
+        ("plain", NoDraft(), HFTarget(model)),
+        ("eagle3", Eagle3Proposer(drafter), HFTarget(model, aux)),
+    ]:
         decode(runner, proposer, prompts[0], greedy, s.gamma, 4)  # warm-up
         _sync(device)
         rounds = tokens = 0
@@ -264,23 +346,38 @@ def _count(n: float) -> str:
 def markdown(result: dict[str, Any]) -> str:
     t, c, v = result.get("train", {}), result.get("collect", {}), result.get("verify", {})
     env = result["environment"]
-    lines = [f"# bench_gpu ({env['device_name']}, {env['dtype']}, {env['sizes']} sizes)", "",
-             "| benchmark | figure |", "|---|---|"]
+    lines = [
+        f"# bench_gpu ({env['device_name']}, {env['dtype']}, {env['sizes']} sizes)",
+        "",
+        "| benchmark | figure |",
+        "|---|---|",
+    ]
     if t:
         mfu = f", MFU {t['mfu']:.1%}" if t.get("mfu") is not None else ""
         mem = f", peak {t['peak_memory_mib'] / 1024:.1f} GiB" if t.get("peak_memory_mib") else ""
-        lines.append(f"| train: EAGLE-3 objective, {_count(t['trainable_params'])} trainable, draft vocab {t['draft_vocab']:,}, "
-                     f"TTT {t['ttt_steps']}, batch {t['batch']} | {t['tokens_per_s']:,.0f} tokens/s "
-                     f"({t['achieved_tflops']:.3g} TFLOP/s{mfu}{mem}) |")
+        lines.append(
+            f"| train: EAGLE-3 objective, {_count(t['trainable_params'])} trainable, draft vocab {t['draft_vocab']:,}, "
+            f"TTT {t['ttt_steps']}, batch {t['batch']} | {t['tokens_per_s']:,.0f} tokens/s "
+            f"({t['achieved_tflops']:.3g} TFLOP/s{mfu}{mem}) |"
+        )
     if c:
-        lines.append(f"| collect: {_count(c['params'])}-parameter random Llama, aux {c['aux_layer_ids']} | "
-                     f"{c['collect_tokens_per_s']:,.0f} tokens/s (bare forward {c['bare_forward_tokens_per_s']:,.0f}; "
-                     f"{c['collect_vs_bare']:.0%}) |")
+        lines.append(
+            f"| collect: {_count(c['params'])}-parameter random Llama, aux {c['aux_layer_ids']} | "
+            f"{c['collect_tokens_per_s']:,.0f} tokens/s (bare forward {c['bare_forward_tokens_per_s']:,.0f}; "
+            f"{c['collect_vs_bare']:.0%}) |"
+        )
     if v:
-        lines.append(f"| verify: engine + random EAGLE-3 drafter, γ={v['gamma']} | {v['eagle3']['rounds_per_s']:,.1f} rounds/s "
-                     f"(plain decoding {v['plain']['tokens_per_s']:,.1f} tokens/s) |")
-    lines += ["", (f"torch {env['torch']}, transformers {env['transformers']}, python {env['python']}; "
-                   f"{result['seconds']:.0f} s in all.")]
+        lines.append(
+            f"| verify: engine + random EAGLE-3 drafter, γ={v['gamma']} | {v['eagle3']['rounds_per_s']:,.1f} rounds/s "
+            f"(plain decoding {v['plain']['tokens_per_s']:,.1f} tokens/s) |"
+        )
+    lines += [
+        "",
+        (
+            f"torch {env['torch']}, transformers {env['transformers']}, python {env['python']}; "
+            f"{result['seconds']:.0f} s in all."
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -300,18 +397,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers
 
     preset = TINY if args.tiny else REAL
-    s = Sizes(**{f: getattr(args, f) if getattr(args, f) is not None else getattr(preset, f) for f in Sizes.__dataclass_fields__})
+    s = Sizes(
+        **{
+            f: getattr(args, f) if getattr(args, f) is not None else getattr(preset, f)
+            for f in Sizes.__dataclass_fields__
+        }
+    )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[
+        args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    ]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     started = time.perf_counter()
-    result: dict[str, Any] = {"environment": {
-        "device_name": name, "dtype": str(dtype).removeprefix("torch."), "peak_tflops": peak,
-        "sizes": "tiny" if args.tiny else "real", "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "threads": torch.get_num_threads()}, "sizes": s.__dict__}
+    result: dict[str, Any] = {
+        "environment": {
+            "device_name": name,
+            "dtype": str(dtype).removeprefix("torch."),
+            "peak_tflops": peak,
+            "sizes": "tiny" if args.tiny else "real",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+        },
+        "sizes": s.__dict__,
+    }
     wanted = set(args.only.split(","))
     if "train" in wanted:
         result["train"] = bench_train(s, device, dtype, peak)

@@ -47,7 +47,9 @@ def main() -> None:
     target = load_target(ModelConfig(target=args.target, dtype="float32"))
     model, tok = target.model, target.tokenizer
     rng = random.Random(0)
-    prompts = [prompt_ids(tok, c["messages"][:1]) for c in iter_conversations(SourceConfig(builtin="mtbench"), Counter())]
+    prompts = [
+        prompt_ids(tok, c["messages"][:1]) for c in iter_conversations(SourceConfig(builtin="mtbench"), Counter())
+    ]
     per_batch = max(1, args.batch_tokens // args.seq_len)
     capture = FeatureCapture(model, None)
     batches = []
@@ -59,13 +61,22 @@ def main() -> None:
         ids = torch.tensor(rows)
         aux, final = capture(ids)
         mask = torch.zeros_like(ids, dtype=torch.uint8)
-        mask[:, args.seq_len // 2:] = 1
-        batches.append({"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-                        "aux": aux, "final": final})
+        mask[:, args.seq_len // 2 :] = 1
+        batches.append(
+            {
+                "input_ids": ids,
+                "loss_mask": mask,
+                "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+                "aux": aux,
+                "final": final,
+            }
+        )
     counts = torch.bincount(torch.cat([b["input_ids"].flatten() for b in batches]), minlength=model.config.vocab_size)
     d2t, t2d = select_draft_vocab(counts, min(args.draft_vocab, model.config.vocab_size))
     head = model.get_output_embeddings().weight.detach()
-    drafter = Eagle3Drafter.from_target(model.config, capture.aux_ids, d2t.numel(), model.get_input_embeddings().weight, d2t, t2d)
+    drafter = Eagle3Drafter.from_target(
+        model.config, capture.aux_ids, d2t.numel(), model.get_input_embeddings().weight, d2t, t2d
+    )
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
     settings = ObjectiveSettings(steps=args.ttt_steps)
     draft_ids = draft_to_target_ids(d2t)
@@ -86,11 +97,15 @@ def main() -> None:
             step_times.append(t2 - t1)
     tokens = per_batch * args.seq_len
     step, head_t = statistics.median(step_times), statistics.median(head_times)
-    print(f"target={args.target} threads={torch.get_num_threads()} drafter params={n_params / 1e6:.1f}M "
-          f"draft_vocab={d2t.numel()} ttt_steps={args.ttt_steps} batch={per_batch}x{args.seq_len} tokens")
+    print(
+        f"target={args.target} threads={torch.get_num_threads()} drafter params={n_params / 1e6:.1f}M "
+        f"draft_vocab={d2t.numel()} ttt_steps={args.ttt_steps} batch={per_batch}x{args.seq_len} tokens"
+    )
     print(f"train step (objective + backward + AdamW): {step * 1e3:8.1f} ms  -> {tokens / step:8.1f} tokens/s")
     print(f"teacher head alone (target lm_head, full vocab): {head_t * 1e3:8.1f} ms  = {head_t / step:.1%} of a step")
-    print(f"drafter (TTT unroll, losses, backward, optimizer): {(step - head_t) * 1e3:8.1f} ms  = {1 - head_t / step:.1%}")
+    print(
+        f"drafter (TTT unroll, losses, backward, optimizer): {(step - head_t) * 1e3:8.1f} ms  = {1 - head_t / step:.1%}"
+    )
     if hasattr(__import__("resource"), "getrusage"):
         import resource
 

@@ -93,8 +93,14 @@ def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repea
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
         def generate(n: int):
-            return lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                          min_new_tokens=n, do_sample=False, pad_token_id=pad)
+            return lambda: model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad,
+            )
 
         gen_step = (_timed(generate(2 + steps), device, repeats) - _timed(generate(2), device, repeats)) / steps
         prompt = tokens(2, 256)
@@ -114,8 +120,13 @@ def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repea
                 runner.rollback(base)  # the cache keeps the same length for every repetition
 
         decode = _timed(eval_passes, device, repeats) / (steps // 2)
-    return Probes(gen_step=gen_step, prefill=prefill, decode=decode, load=load,
-                  train_step=_timed(_train_step_fn(model, cfg, aux_ids), device, max(1, repeats - 1)))
+    return Probes(
+        gen_step=gen_step,
+        prefill=prefill,
+        decode=decode,
+        load=load,
+        train_step=_timed(_train_step_fn(model, cfg, aux_ids), device, max(1, repeats - 1)),
+    )
 
 
 def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512):
@@ -138,9 +149,14 @@ def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512)
     head = model.get_output_embeddings().weight.detach().float()
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
     bf16 = resolve_mixed_precision(cfg.train.mixed_precision, device.type == "cuda") == "bf16"
-    batch = {"input_ids": torch.randint(0, vocab, (1, length), generator=g), "ids": ["probe"],
-             "loss_mask": torch.ones(1, length, dtype=torch.uint8), "attention_mask": torch.ones(1, length, dtype=torch.bool),
-             "aux": torch.randn(1, length, len(aux_ids) * hidden, generator=g), "final": torch.randn(1, length, hidden, generator=g)}
+    batch = {
+        "input_ids": torch.randint(0, vocab, (1, length), generator=g),
+        "ids": ["probe"],
+        "loss_mask": torch.ones(1, length, dtype=torch.uint8),
+        "attention_mask": torch.ones(1, length, dtype=torch.bool),
+        "aux": torch.randn(1, length, len(aux_ids) * hidden, generator=g),
+        "final": torch.randn(1, length, hidden, generator=g),
+    }
 
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -199,8 +215,12 @@ def choose_sizes(cfg: RunConfig, probes: Probes, spent: float = 0.0) -> Plan:
 
 
 def _record(cfg: RunConfig) -> dict[str, Any]:
-    return {"budget": cfg.budget.model_dump(mode="json"), "generate": cfg.generate.model_dump(mode="json"),
-            "eval": cfg.eval.model_dump(mode="json", exclude={"max_prompts_per_domain"}), "model": cfg.model.model_dump(mode="json")}
+    return {
+        "budget": cfg.budget.model_dump(mode="json"),
+        "generate": cfg.generate.model_dump(mode="json"),
+        "eval": cfg.eval.model_dump(mode="json", exclude={"max_prompts_per_domain"}),
+        "model": cfg.model.model_dump(mode="json"),
+    }
 
 
 def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[str, Any]]:
@@ -209,7 +229,9 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
     from draftsmith.pipeline.console import console
 
     if cfg.generate.synthesize == 0:
-        raise StageError("budget.minutes sizes the self-synthesized data (generate.synthesize), and this recipe has none")
+        raise StageError(
+            "budget.minutes sizes the self-synthesized data (generate.synthesize), and this recipe has none"
+        )
     path = cfg.run_path / "budget.json"
     if is_main:
         earlier = json.loads(path.read_text()) if path.is_file() else None
@@ -227,8 +249,13 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
             del model
             plan = choose_sizes(cfg, probes, spent=time.perf_counter() - t0)
             earlier = {
-                "inputs": _record(cfg), "probes": asdict(plan.probes), "probe_seconds": round(time.perf_counter() - t0, 1),
-                "chosen": {"generate.synthesize": plan.synthesize, "eval.max_prompts_per_domain": plan.max_prompts_per_domain},
+                "inputs": _record(cfg),
+                "probes": asdict(plan.probes),
+                "probe_seconds": round(time.perf_counter() - t0, 1),
+                "chosen": {
+                    "generate.synthesize": plan.synthesize,
+                    "eval.max_prompts_per_domain": plan.max_prompts_per_domain,
+                },
                 "predicted_seconds": {k: round(v, 1) for k, v in plan.predicted.items()},
                 "budget_seconds": plan.budget_s,
             }
@@ -239,11 +266,18 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
                 f"budget {cfg.budget.minutes:g} min: probes here {_fmt(plan.probes)} (reference {ref.machine or 'run'}: "
                 f"{_fmt(Probes(**ref.probes))}); chose generate.synthesize={plan.synthesize} "
                 f"(recipe {cfg.generate.synthesize}), eval.max_prompts_per_domain={plan.max_prompts_per_domain}; "
-                f"predicted {plan.total / 60:.1f} min: " + ", ".join(f"{k} {v:.0f}s" for k, v in plan.predicted.items()),
-                highlight=False)
+                f"predicted {plan.total / 60:.1f} min: "
+                + ", ".join(f"{k} {v:.0f}s" for k, v in plan.predicted.items()),
+                highlight=False,
+            )
             if plan.total > plan.budget_s:
-                log.warning("budget: predicted %.1f min, over the %g min budget, with the data at its floor "
-                            "(budget.min_synthesize=%d)", plan.total / 60, cfg.budget.minutes, cfg.budget.min_synthesize)
+                log.warning(
+                    "budget: predicted %.1f min, over the %g min budget, with the data at its floor "
+                    "(budget.min_synthesize=%d)",
+                    plan.total / 60,
+                    cfg.budget.minutes,
+                    cfg.budget.min_synthesize,
+                )
     wait()
     record = json.loads(path.read_text())
     sized = cfg.model_copy(deep=True)
@@ -253,8 +287,10 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
 
 
 def _fmt(p: Probes) -> str:
-    return (f"gen_step {p.gen_step * 1e3:.1f} ms, prefill {p.prefill * 1e3:.0f} ms, decode {p.decode * 1e3:.1f} ms, "
-            f"train_step {p.train_step * 1e3:.0f} ms, load {p.load:.1f} s")
+    return (
+        f"gen_step {p.gen_step * 1e3:.1f} ms, prefill {p.prefill * 1e3:.0f} ms, decode {p.decode * 1e3:.1f} ms, "
+        f"train_step {p.train_step * 1e3:.0f} ms, load {p.load:.1f} s"
+    )
 
 
 def record_actuals(cfg: RunConfig, record: dict[str, Any], seconds: dict[str, float], total: float) -> dict[str, Any]:
@@ -264,7 +300,8 @@ def record_actuals(cfg: RunConfig, record: dict[str, Any], seconds: dict[str, fl
     record.pop("measured", None)
     if set(seconds) >= set(record["predicted_seconds"]):
         record["measured"] = {
-            "seconds": record["actual_seconds"], "probes": record["probes"],
+            "seconds": record["actual_seconds"],
+            "probes": record["probes"],
             "synthesize": record["chosen"]["generate.synthesize"],
             "max_prompts_per_domain": record["chosen"]["eval.max_prompts_per_domain"],
         }
@@ -280,5 +317,7 @@ def budget_table(record: dict[str, Any]) -> str:
         got = actual.get(stage)
         rows.append(f"| {stage} | {pred:.0f} s | {f'{got:.0f} s' if got is not None else 'not run'} |")
     predicted = sum(record["predicted_seconds"].values()) + record["probe_seconds"]
-    rows.append(f"| **run** | {predicted:.0f} s | {record.get('wall_seconds', 0):.0f} s (budget {record['budget_seconds']:.0f} s) |")
+    rows.append(
+        f"| **run** | {predicted:.0f} s | {record.get('wall_seconds', 0):.0f} s (budget {record['budget_seconds']:.0f} s) |"
+    )
     return "\n".join(rows)

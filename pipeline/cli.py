@@ -66,23 +66,45 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "import":
             p.add_argument("--from", dest="source", required=True, metavar="DIR", help="exported drafter directory")
         if name == "eval":
-            p.add_argument("--datasets", metavar="A,B", help="builtin prompt sets, e.g. mtbench,humaneval (overrides eval.sources)")
+            p.add_argument(
+                "--datasets", metavar="A,B", help="builtin prompt sets, e.g. mtbench,humaneval (overrides eval.sources)"
+            )
             p.add_argument("--temperature", metavar="T,T", help="temperatures, e.g. 0,1 (overrides eval.temperatures)")
             p.add_argument("--target", metavar="MODEL", help="target model (overrides model.target)")
         if name == "plan":
             p.add_argument("--tokens", type=int, metavar="N", help="training tokens (default: counted or estimated)")
             p.add_argument("--records", type=int, metavar="N", help="conversations, to estimate tokens from")
-            p.add_argument("--prompt-tokens", type=int, default=256, metavar="N", help="mean prompt tokens per record (estimate)")
+            p.add_argument(
+                "--prompt-tokens", type=int, default=256, metavar="N", help="mean prompt tokens per record (estimate)"
+            )
             p.add_argument("--world-size", type=int, default=8, metavar="N", help="training ranks (GPUs), default 8")
-            p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: from train.deepspeed, else 0 (DDP)")
-            p.add_argument("--target-config", metavar="PATH", help="the target's HF config.json (when not local or bundled)")
-            p.add_argument("--gpu-memory", dest="gpu_memory_gib", type=float, default=80.0, metavar="GIB", help="GPU memory to check against")
-            p.add_argument("--gpu-tflops", type=float, default=989.0, metavar="TF", help="peak bf16 TFLOP/s (H100 SXM: 989)")
+            p.add_argument(
+                "--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: from train.deepspeed, else 0 (DDP)"
+            )
+            p.add_argument(
+                "--target-config", metavar="PATH", help="the target's HF config.json (when not local or bundled)"
+            )
+            p.add_argument(
+                "--gpu-memory",
+                dest="gpu_memory_gib",
+                type=float,
+                default=80.0,
+                metavar="GIB",
+                help="GPU memory to check against",
+            )
+            p.add_argument(
+                "--gpu-tflops", type=float, default=989.0, metavar="TF", help="peak bf16 TFLOP/s (H100 SXM: 989)"
+            )
             p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilization for GPU-hours")
             p.add_argument("--json", dest="json_out", metavar="PATH", help="also write the plan as JSON")
         if name == "collect":
-            p.add_argument("--verify", type=int, default=0, metavar="N",
-                           help="afterwards, recompute N random stored samples and fail above collect.verify_tolerance")
+            p.add_argument(
+                "--verify",
+                type=int,
+                default=0,
+                metavar="N",
+                help="afterwards, recompute N random stored samples and fail above collect.verify_tolerance",
+            )
     return parser
 
 
@@ -108,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides = list(args.overrides)
         if args.stage == "eval":
             if args.datasets:
-                overrides.append("eval.sources=[" + ",".join(f"{{builtin: {d.strip()}}}" for d in args.datasets.split(",")) + "]")
+                overrides.append(
+                    "eval.sources=[" + ",".join(f"{{builtin: {d.strip()}}}" for d in args.datasets.split(",")) + "]"
+                )
             if args.temperature:
                 overrides.append(f"eval.temperatures=[{args.temperature}]")
             if args.target:
@@ -118,12 +142,28 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist_state().is_main_process and args.stage != "plan":  # plan runs nothing and writes nothing
             save_config(cfg, cfg.run_path / "config.yaml")
-        extra = {"collect": {"verify": getattr(args, "verify", 0)}, "train": {"resume": getattr(args, "resume", False)},
-                 "eval": {"drafter": getattr(args, "drafter", None)}, "export": {"drafter": getattr(args, "drafter", None)},
-                 "import": {"source": getattr(args, "source", None)},
-                 "plan": {k: getattr(args, k, None) for k in ("tokens", "records", "prompt_tokens", "world_size", "zero_stage",
-                                                              "target_config", "json_out", "mfu", "gpu_memory_gib", "gpu_tflops")},
-                 }.get(args.stage, {})
+        extra = {
+            "collect": {"verify": getattr(args, "verify", 0)},
+            "train": {"resume": getattr(args, "resume", False)},
+            "eval": {"drafter": getattr(args, "drafter", None)},
+            "export": {"drafter": getattr(args, "drafter", None)},
+            "import": {"source": getattr(args, "source", None)},
+            "plan": {
+                k: getattr(args, k, None)
+                for k in (
+                    "tokens",
+                    "records",
+                    "prompt_tokens",
+                    "world_size",
+                    "zero_stage",
+                    "target_config",
+                    "json_out",
+                    "mfu",
+                    "gpu_memory_gib",
+                    "gpu_tflops",
+                )
+            },
+        }.get(args.stage, {})
         _stage(args.stage)(cfg, **extra)
         succeeded = True
     except expected as exc:

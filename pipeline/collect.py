@@ -19,7 +19,16 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data.artifacts import check_same_target, read_records, write_manifest
-from draftsmith.data.feature_store import DTYPES, KIND, FeatureStore, ShardWriter, bytes_per_token, is_done, pack_shard, shard_name
+from draftsmith.data.feature_store import (
+    DTYPES,
+    KIND,
+    FeatureStore,
+    ShardWriter,
+    bytes_per_token,
+    is_done,
+    pack_shard,
+    shard_name,
+)
 from draftsmith.data.features import FeatureCapture, length_batches, right_pad
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console, counts_table
@@ -33,7 +42,9 @@ log = logging.getLogger(__name__)
 
 def input_records(cfg: RunConfig, identity: dict[str, Any]) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
     """(kind, manifest, records with supervised tokens) of the records this run collects from."""
-    kinds = {"generated": ["generated"], "prepared": ["prepared"], "auto": ["generated", "prepared"]}[cfg.collect.source]
+    kinds = {"generated": ["generated"], "prepared": ["prepared"], "auto": ["generated", "prepared"]}[
+        cfg.collect.source
+    ]
     for kind in kinds:
         directory = cfg.run_path / kind
         if (directory / "manifest.json").is_file():
@@ -41,9 +52,13 @@ def input_records(cfg: RunConfig, identity: dict[str, Any]) -> tuple[str, dict[s
             check_same_target(manifest, identity, directory)
             rows = [r for r in rows if r["num_supervised"] > 0]
             if not rows:
-                raise StageError(f"{directory} has no record with assistant tokens (prompt-only data needs `draftsmith generate`)")
+                raise StageError(
+                    f"{directory} has no record with assistant tokens (prompt-only data needs `draftsmith generate`)"
+                )
             return kind, manifest, rows
-    raise StageError(f"no {' or '.join(kinds)} records in {cfg.run_path}; run `draftsmith prepare` / `draftsmith generate` first")
+    raise StageError(
+        f"no {' or '.join(kinds)} records in {cfg.run_path}; run `draftsmith prepare` / `draftsmith generate` first"
+    )
 
 
 def shard_plan(lengths: list[int], shard_tokens: int) -> list[list[int]]:
@@ -60,8 +75,9 @@ def shard_plan(lengths: list[int], shard_tokens: int) -> list[list[int]]:
     return shards
 
 
-def collect_samples(capture: FeatureCapture, records: list[dict[str, Any]], batch_tokens: int,
-                    dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+def collect_samples(
+    capture: FeatureCapture, records: list[dict[str, Any]], batch_tokens: int, dtype: torch.dtype
+) -> list[dict[str, torch.Tensor]]:
     """Per-sample features of `records`, in their order (forward batches are grouped by length)."""
     device = next(capture.model.parameters()).device
     out: list[dict[str, torch.Tensor] | None] = [None] * len(records)
@@ -101,8 +117,15 @@ def run_collect(cfg: RunConfig, verify: int = 0) -> Path:
     except PlanMismatch as exc:
         raise StageError(str(exc)) from None
     shards = shard_plan([r["num_tokens"] for r in records], c.shard_tokens)
-    log.info("collect: %d %s records in %d shards over %d rank(s), aux layers %s, %s",
-             len(records), source_kind, len(shards), state.num_processes, capture.aux_ids, c.dtype)
+    log.info(
+        "collect: %d %s records in %d shards over %d rank(s), aux layers %s, %s",
+        len(records),
+        source_kind,
+        len(shards),
+        state.num_processes,
+        capture.aux_ids,
+        c.dtype,
+    )
 
     if not complete:
         mine = list(range(state.process_index, len(shards), state.num_processes))
@@ -110,16 +133,25 @@ def run_collect(cfg: RunConfig, verify: int = 0) -> Path:
         if len(todo) < len(mine):
             log.info("collect: resuming, %d of this rank's %d shards already done", len(mine) - len(todo), len(mine))
         total = sum(records[i]["num_tokens"] for k in todo for i in shards[k])
-        bar = tqdm(total=total, desc=f"collect (rank {state.process_index})", unit="tok", unit_scale=True,
-                   disable=not state.is_local_main_process)
+        bar = tqdm(
+            total=total,
+            desc=f"collect (rank {state.process_index})",
+            unit="tok",
+            unit_scale=True,
+            disable=not state.is_local_main_process,
+        )
         writer = ShardWriter(out)
         try:
             for k in todo:
                 chunk = [records[i] for i in shards[k]]
                 samples = collect_samples(capture, chunk, c.batch_tokens, DTYPES[c.dtype])
                 meta = [{"id": r["id"], "domain": r["domain"], "split": r["split"]} for r in chunk]
-                info = {"shard": k, "samples": len(chunk), "tokens": sum(r["num_tokens"] for r in chunk),
-                        "supervised_tokens": sum(r["num_supervised"] for r in chunk)}
+                info = {
+                    "shard": k,
+                    "samples": len(chunk),
+                    "tokens": sum(r["num_tokens"] for r in chunk),
+                    "supervised_tokens": sum(r["num_supervised"] for r in chunk),
+                }
                 writer.submit(k, pack_shard(samples), meta, info)
                 bar.update(info["tokens"])
         finally:
@@ -135,8 +167,9 @@ def run_collect(cfg: RunConfig, verify: int = 0) -> Path:
     return out
 
 
-def finalize(out: Path, n_shards: int, plan: dict[str, Any], cfg: RunConfig, identity: dict[str, Any],
-             capture: FeatureCapture) -> None:
+def finalize(
+    out: Path, n_shards: int, plan: dict[str, Any], cfg: RunConfig, identity: dict[str, Any], capture: FeatureCapture
+) -> None:
     entries = []
     for k in range(n_shards):
         side = (out / shard_name(k)).with_suffix(".json")
@@ -146,21 +179,34 @@ def finalize(out: Path, n_shards: int, plan: dict[str, Any], cfg: RunConfig, ide
     tokens = sum(e["tokens"] for e in entries)
     bpt = bytes_per_token(len(capture.aux_ids), capture.hidden_size, cfg.collect.dtype)
     summary = {
-        "samples": sum(e["samples"] for e in entries), "tokens": tokens,
-        "supervised_tokens": sum(e["supervised_tokens"] for e in entries), "shards": n_shards,
-        "bytes_per_token": bpt, "GiB": round(sum(e["bytes"] for e in entries) / 2**30, 3),
+        "samples": sum(e["samples"] for e in entries),
+        "tokens": tokens,
+        "supervised_tokens": sum(e["supervised_tokens"] for e in entries),
+        "shards": n_shards,
+        "bytes_per_token": bpt,
+        "GiB": round(sum(e["bytes"] for e in entries) / 2**30, 3),
     }
     write_manifest(
-        out, KIND, target=identity, plan=plan, aux_layer_ids=capture.aux_ids, hidden_size=capture.hidden_size,
-        num_layers=capture.num_layers, dtype=cfg.collect.dtype, source=plan["source"],
+        out,
+        KIND,
+        target=identity,
+        plan=plan,
+        aux_layer_ids=capture.aux_ids,
+        hidden_size=capture.hidden_size,
+        num_layers=capture.num_layers,
+        dtype=cfg.collect.dtype,
+        source=plan["source"],
         config={"model": cfg.model.model_dump(mode="json"), "collect": cfg.collect.model_dump(mode="json")},
-        counts=summary, bytes_per_token=bpt, shards=entries,
+        counts=summary,
+        bytes_per_token=bpt,
+        shards=entries,
     )
     console.print(counts_table(f"collect -> {out}", {"features": summary}))
 
 
-def verify_store(out: Path, capture: FeatureCapture, records: list[dict[str, Any]], n: int, tolerance: float,
-                 seed: int = 0) -> dict[str, float]:
+def verify_store(
+    out: Path, capture: FeatureCapture, records: list[dict[str, Any]], n: int, tolerance: float, seed: int = 0
+) -> dict[str, float]:
     """Recompute `n` random stored samples one by one and compare; raises StageError above tolerance."""
     store = FeatureStore(out)
     by_id = {r["id"]: r for r in records}
@@ -172,21 +218,37 @@ def verify_store(out: Path, capture: FeatureCapture, records: list[dict[str, Any
     for i in picks:
         stored = store[i]
         rec = by_id.get(stored["id"])
-        if rec is None or stored["input_ids"].tolist() != rec["input_ids"] or stored["loss_mask"].tolist() != rec["loss_mask"]:
+        if (
+            rec is None
+            or stored["input_ids"].tolist() != rec["input_ids"]
+            or stored["loss_mask"].tolist() != rec["loss_mask"]
+        ):
             raise StageError(f"stored sample {stored['id']} does not match its input record (tokens or loss mask)")
         fresh = collect_samples(capture, [rec], 1 << 30, dtype)[0]
         H = capture.hidden_size
-        pairs = {f"aux[{a}]": (stored["aux"][:, j * H:(j + 1) * H], fresh["aux"][:, j * H:(j + 1) * H])
-                 for j, a in enumerate(capture.aux_ids)}
+        pairs = {
+            f"aux[{a}]": (stored["aux"][:, j * H : (j + 1) * H], fresh["aux"][:, j * H : (j + 1) * H])
+            for j, a in enumerate(capture.aux_ids)
+        }
         pairs["final"] = (stored["final"], fresh["final"])
         for name, (x, y) in pairs.items():
             worst[name] = max(worst.get(name, 0.0), (x.float() - y.float()).abs().max().item())
             scale[name] = max(scale.get(name, 0.0), y.float().abs().max().item())
-    rows = {name: {"max_abs_diff": f"{worst[name]:.3g}", "max_abs_value": f"{scale[name]:.3g}",
-                   "relative": f"{worst[name] / max(scale[name], 1e-12):.3g}"} for name in worst}
-    console.print(counts_table(f"verify: {len(picks)} samples recomputed in {time.perf_counter() - started:.1f}s", rows))
+    rows = {
+        name: {
+            "max_abs_diff": f"{worst[name]:.3g}",
+            "max_abs_value": f"{scale[name]:.3g}",
+            "relative": f"{worst[name] / max(scale[name], 1e-12):.3g}",
+        }
+        for name in worst
+    }
+    console.print(
+        counts_table(f"verify: {len(picks)} samples recomputed in {time.perf_counter() - started:.1f}s", rows)
+    )
     bad = [name for name in worst if worst[name] > tolerance * max(scale[name], 1e-12)]
     if bad:
-        raise StageError(f"verify failed: {', '.join(bad)} differ from a recomputation by more than "
-                         f"{tolerance:.0%} of their magnitude")
+        raise StageError(
+            f"verify failed: {', '.join(bad)} differ from a recomputation by more than "
+            f"{tolerance:.0%} of their magnitude"
+        )
     return worst

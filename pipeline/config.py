@@ -54,14 +54,22 @@ class ModelConfig(Section):
     each rank holds the whole target. Other stages always load the whole target per rank."""
 
     @model_validator(mode="after")
-    def _one_sharding(self) -> "ModelConfig":
-        chosen = [name for name, on in (("model.device_map", self.device_map is not None),
-                                        ("model.tp_size", (self.tp_size or 1) > 1),
-                                        ("model.zero3", self.zero3 != "none")) if on]
+    def _one_sharding(self) -> ModelConfig:
+        chosen = [
+            name
+            for name, on in (
+                ("model.device_map", self.device_map is not None),
+                ("model.tp_size", (self.tp_size or 1) > 1),
+                ("model.zero3", self.zero3 != "none"),
+            )
+            if on
+        ]
         if len(chosen) > 1:
             raise ValueError(f"choose one way to shard the target, not {' and '.join(chosen)}")
         if self.device_map is not None and self.device not in ("auto", "cuda"):
-            raise ValueError(f"model.device_map places the target itself; it cannot be combined with model.device={self.device!r}")
+            raise ValueError(
+                f"model.device_map places the target itself; it cannot be combined with model.device={self.device!r}"
+            )
         return self
 
 
@@ -89,7 +97,7 @@ class SourceConfig(Section):
     """Use only the first N records."""
 
     @model_validator(mode="after")
-    def _exactly_one_origin(self) -> "SourceConfig":
+    def _exactly_one_origin(self) -> SourceConfig:
         given = [k for k in ("builtin", "path", "hf") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"a data source needs exactly one of builtin / path / hf, got {given or 'none'}")
@@ -167,8 +175,10 @@ def _ascending_layer_ids(value: list[int] | None) -> list[int] | None:
     """Aux layer ids must be strictly ascending: vLLM and SGLang concatenate the captured layers in layer order,
     so features fused in another order would reach `fc` with permuted columns and no error."""
     if value is not None and any(a >= b for a, b in zip(value, value[1:])):
-        raise ValueError(f"aux layer ids must be strictly ascending (serving engines concatenate the layers in "
-                         f"ascending order), got {value}; use {sorted(set(value))}")
+        raise ValueError(
+            f"aux layer ids must be strictly ascending (serving engines concatenate the layers in "
+            f"ascending order), got {value}; use {sorted(set(value))}"
+        )
     return value
 
 
@@ -181,6 +191,7 @@ class CollectConfig(Section):
     @classmethod
     def _ascending(cls, value: list[int] | None) -> list[int] | None:
         return _ascending_layer_ids(value)
+
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Storage dtype of captured features."""
     source: Literal["auto", "generated", "prepared"] = "auto"
@@ -218,6 +229,7 @@ class DSparkSettings(Section):
     @classmethod
     def _ascending(cls, value: list[int] | None) -> list[int] | None:
         return _ascending_layer_ids(value)
+
     markov_rank: int = Field(256, ge=0)
     """Rank r of the sequential bias W1[x_{k-1}] W2 (0 disables it: a plain parallel block drafter)."""
     mask_token_id: int | None = None
@@ -305,6 +317,7 @@ class TrainConfig(Section):
     @classmethod
     def _yaml_no(cls, value: Any) -> Any:
         return "no" if value is False else value  # YAML reads a bare `no` as false
+
     deepspeed: str | None = None
     """Path to a DeepSpeed JSON (see launch/); also taken from `accelerate launch --use_deepspeed` configs."""
     log_every: int = Field(10, ge=1)
@@ -325,7 +338,7 @@ class TrainConfig(Section):
     """The DSpark-style block drafter."""
 
     @model_validator(mode="after")
-    def _distinct_drafters(self) -> "TrainConfig":
+    def _distinct_drafters(self) -> TrainConfig:
         if not self.drafters:
             raise ValueError("train.drafters needs at least one drafter family")
         if len(set(self.drafters)) != len(self.drafters):
@@ -384,6 +397,7 @@ class ExportConfig(Section):
 
 class BudgetReference(Section):
     """One measured run of this recipe: what the budget scales from."""
+
     seconds: dict[Literal["generate", "collect", "train", "eval", "export"], float]
     """Wall time of each stage in that run."""
     probes: dict[Literal["gen_step", "prefill", "decode", "train_step", "load"], float] = Field(min_length=5)
@@ -416,10 +430,12 @@ class BudgetConfig(Section):
     """Fewest self-synthesized prompts the budget may give, however slow the machine."""
 
     @model_validator(mode="after")
-    def _needs_reference(self) -> "BudgetConfig":
+    def _needs_reference(self) -> BudgetConfig:
         if self.minutes is not None and self.reference is None:
-            raise ValueError("budget.minutes needs budget.reference: the stage times and probe figures of one measured "
-                             "run of this recipe (the `measured` entry of a budgeted run's budget.json)")
+            raise ValueError(
+                "budget.minutes needs budget.reference: the stage times and probe figures of one measured "
+                "run of this recipe (the `measured` entry of a budgeted run's budget.json)"
+            )
         return self
 
 

@@ -51,7 +51,9 @@ def eval_prompts(cfg: RunConfig, tok) -> list[dict[str, Any]]:
                     continue
                 per_domain[conv["domain"]] += 1
             first_reply = next(i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant")
-            prompts.append({"id": conv["id"], "domain": conv["domain"], "ids": prompt_ids(tok, conv["messages"][:first_reply])})
+            prompts.append(
+                {"id": conv["id"], "domain": conv["domain"], "ids": prompt_ids(tok, conv["messages"][:first_reply])}
+            )
             n += 1
         if n == 0:
             raise StageError(f"eval source {src.name} yielded no prompt (counts: {dict(counts)})")
@@ -72,15 +74,20 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     tree = TreeSpec(e.tree_depth, e.tree_top_k, e.tree_nodes) if e.tree_depth else None
     if "trained" in e.drafters:
         explicit = drafter or e.drafter_path
-        paths = ([trained_drafter(cfg, target.identity, explicit)] if explicit else
-                 [trained_drafter(cfg, target.identity, None, family) for family in cfg.train.drafters])
+        paths = (
+            [trained_drafter(cfg, target.identity, explicit)]
+            if explicit
+            else [trained_drafter(cfg, target.identity, None, family) for family in cfg.train.drafters]
+        )
         for path in paths:
             try:
                 d = load_drafter(path).to(target.device, model.dtype)
             except (ValueError, KeyError, OSError) as exc:
                 raise StageError(f"cannot load the drafter in {path}: {exc}") from None
             if d.name != "eagle3" and tree is not None:
-                raise StageError(f"the {d.name} drafter drafts chains (one block per round): leave eval.tree_depth unset")
+                raise StageError(
+                    f"the {d.name} drafter drafts chains (one block per round): leave eval.tree_depth unset"
+                )
             kwargs = {"draft_length": e.block_draft_length} if d.name == "dspark" else {}
             proposers[d.name] = PROPOSERS[d.name](d, e.confidence_threshold, **kwargs)
             drafter_info[d.name] = {"path": str(path), "family": d.name, "aux_layer_ids": d.config.aux_layer_ids}
@@ -101,30 +108,64 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         ids = [p["ids"] for p in batch]
         if e.batch_size == 1:
             runner = feature_targets.get(name, plain)
-            return [decode(runner, proposer, ids[0], params, gammas[name], max_new_tokens, stops, gen,
-                           tree=tree if hasattr(proposer, "propose_tree") else None)]
-        return decode_batch(model, ids, name, params, gammas[name], max_new_tokens, stops, gen,
-                            drafter=getattr(proposer, "drafter", None), pad_id=tok.pad_token_id,
-                            max_ngram=e.prompt_lookup_max_ngram, confidence_threshold=e.confidence_threshold)
+            return [
+                decode(
+                    runner,
+                    proposer,
+                    ids[0],
+                    params,
+                    gammas[name],
+                    max_new_tokens,
+                    stops,
+                    gen,
+                    tree=tree if hasattr(proposer, "propose_tree") else None,
+                )
+            ]
+        return decode_batch(
+            model,
+            ids,
+            name,
+            params,
+            gammas[name],
+            max_new_tokens,
+            stops,
+            gen,
+            drafter=getattr(proposer, "drafter", None),
+            pad_id=tok.pad_token_id,
+            max_ngram=e.prompt_lookup_max_ngram,
+            confidence_threshold=e.confidence_threshold,
+        )
 
     by_domain: dict[str, list] = defaultdict(list)
     for p in prompts:
         by_domain[p["domain"]].append(p)
-    batches = [group[i:i + e.batch_size] for group in by_domain.values() for i in range(0, len(group), e.batch_size)]
-    mine = batches[state.process_index::state.num_processes]
+    batches = [group[i : i + e.batch_size] for group in by_domain.values() for i in range(0, len(group), e.batch_size)]
+    mine = batches[state.process_index :: state.num_processes]
     # Warm-up, untimed: the first calls of a process pay for allocations and kernel selection; without this,
     # whichever drafter runs first (plain decoding) absorbs them and every speedup is biased upward.
     for name, proposer in proposers.items():
         for temperature in sorted({0.0, *e.temperatures}):
-            run_batch(batches[0], name, proposer, SamplingParams(temperature, e.top_p, e.top_k),
-                      make_generator(target.device, e.seed), min(8, e.max_new_tokens))
+            run_batch(
+                batches[0],
+                name,
+                proposer,
+                SamplingParams(temperature, e.top_p, e.top_k),
+                make_generator(target.device, e.seed),
+                min(8, e.max_new_tokens),
+            )
 
     out = cfg.run_path / e.output
     ev: dict[str, Any] = {
         "target": target.identity,
         "drafters": drafter_info,
-        "settings": {**e.model_dump(mode="json"), "device": str(target.device), "dtype": str(model.dtype), "draft_lengths": gammas,
-                     "prompts": len(prompts), "processes": state.num_processes},
+        "settings": {
+            **e.model_dump(mode="json"),
+            "device": str(target.device),
+            "dtype": str(model.dtype),
+            "draft_lengths": gammas,
+            "prompts": len(prompts),
+            "processes": state.num_processes,
+        },
         "complete": False,
         "runs": [],
     }
@@ -135,8 +176,11 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         gen = make_generator(target.device, e.seed + state.process_index)
         by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         diverged: Counter = Counter()
-        bar = tqdm(total=sum(len(b) for b in mine), desc=f"eval T={temperature}" + (f" (rank {state.process_index})"
-                   if state.num_processes > 1 else ""), unit="prompt")
+        bar = tqdm(
+            total=sum(len(b) for b in mine),
+            desc=f"eval T={temperature}" + (f" (rank {state.process_index})" if state.num_processes > 1 else ""),
+            unit="prompt",
+        )
         for batch in mine:
             outputs = {}
             for name, proposer in proposers.items():
@@ -168,7 +212,9 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
                 overall[name]["speedup"] = overall[name]["tokens_per_s"] / overall["none"]["tokens_per_s"]
         run = {"temperature": temperature, "drafters": list(proposers), "domains": domains, "overall": overall}
         if params.greedy:
-            run["greedy_divergence"] = {n: {"prompts": diverged[n], "of": len(prompts)} for n in proposers if n != "none"}
+            run["greedy_divergence"] = {
+                n: {"prompts": diverged[n], "of": len(prompts)} for n in proposers if n != "none"
+            }
         ev["runs"].append(run)
         # each temperature's results are on disk as soon as they exist (marked incomplete until the last one):
         # a failure at a later temperature loses nothing already measured
@@ -182,11 +228,14 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     table = markdown_table(ev)
     written = plots(ev, out)
     trained_list = ", ".join(f"{n} `{i['path']}`" for n, i in drafter_info.items()) or "none"
-    (out / "report.md").write_text(f"# draftsmith eval\n\nTarget: `{target.identity['name']}`; trained drafters: "
-                                   f"{trained_list}; device {target.device}, "
-                                   f"{model.dtype}; {len(prompts)} prompts.\n\n{table}\n"
-                                   + "".join(f"\n![{w}]({w})\n" for w in written))
-    write_manifest(out, "eval", target=target.identity, drafters=drafter_info, files=["eval.json", "report.md", *written])
+    (out / "report.md").write_text(
+        f"# draftsmith eval\n\nTarget: `{target.identity['name']}`; trained drafters: "
+        f"{trained_list}; device {target.device}, "
+        f"{model.dtype}; {len(prompts)} prompts.\n\n{table}\n" + "".join(f"\n![{w}]({w})\n" for w in written)
+    )
+    write_manifest(
+        out, "eval", target=target.identity, drafters=drafter_info, files=["eval.json", "report.md", *written]
+    )
     console.print(table, highlight=False)
     return out
 

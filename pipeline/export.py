@@ -55,7 +55,7 @@ def _layer_key(key: str, first: str) -> str | None:
     if key.startswith("confidence.") or key.startswith("rotary."):
         return None
     if key.startswith("midlayer."):
-        return first + key[len("midlayer"):]
+        return first + key[len("midlayer") :]
     if key.startswith("layers."):
         _, j, rest = key.split(".", 2)
         return f"layers.{int(j) + 1}.{rest}"
@@ -100,7 +100,9 @@ def _llama_fields(cfg: Eagle3Config, target_config) -> dict[str, Any]:
     return fields
 
 
-def eagle3_engine_files(model: Eagle3Drafter, target_config, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def eagle3_engine_files(
+    model: Eagle3Drafter, target_config, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, config.json) of the vLLM/SGLang `eagle3` directory."""
     cfg = model.config
     tensors = {}
@@ -125,8 +127,9 @@ def eagle3_engine_files(model: Eagle3Drafter, target_config, dtype: torch.dtype)
     return tensors, config
 
 
-def speculators_files(model: Eagle3Drafter, target_config, target_name: str, dtype: torch.dtype,
-                      speculative_tokens: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def speculators_files(
+    model: Eagle3Drafter, target_config, target_name: str, dtype: torch.dtype, speculative_tokens: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     cfg = model.config
     tensors = {}
     for key, value in model.state_dict().items():
@@ -148,15 +151,19 @@ def speculators_files(model: Eagle3Drafter, target_config, target_name: str, dty
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target_name,
-                         "architectures": list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])},
+            "verifier": {
+                "name_or_path": target_name,
+                "architectures": list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"]),
+            },
         },
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     return tensors, config
 
 
-def dspark_files(model, target_config, target_name: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def dspark_files(
+    model, target_config, target_name: str, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, config.json) of a DSpark drafter in the speculators `dspark` layout."""
     cfg = model.config
     tensors = {}
@@ -167,11 +174,18 @@ def dspark_files(model, target_config, target_name: str, dtype: torch.dtype) -> 
     layer_config = {
         "model_type": "qwen3",  # the speculators DFlash backbone is Qwen3-style (per-head q/k RMSNorm)
         "architectures": ["Qwen3ForCausalLM"],
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_layers, "attention_bias": False,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "num_hidden_layers": cfg.num_layers,
+        "attention_bias": False,
         "tie_word_embeddings": False,
     }
     if cfg.extra.get("rope_scaling"):
@@ -194,8 +208,10 @@ def dspark_files(model, target_config, target_name: str, dtype: torch.dtype) -> 
             "algorithm": "dspark",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target_name,
-                         "architectures": list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])},
+            "verifier": {
+                "name_or_path": target_name,
+                "architectures": list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"]),
+            },
         },
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
@@ -227,13 +243,21 @@ def import_drafter(directory: str | Path, embed_weight: torch.Tensor | None = No
         raise StageError(f"{directory}: not an EAGLE-3 or DSpark export (architectures {raw.get('architectures')})")
     lc = raw["transformer_layer_config"] if speculators else raw
     cfg = Eagle3Config(
-        vocab_size=lc["vocab_size"], draft_vocab_size=raw["draft_vocab_size"], hidden_size=lc["hidden_size"],
-        target_hidden_size=raw["target_hidden_size"], num_attention_heads=lc["num_attention_heads"],
-        num_key_value_heads=lc["num_key_value_heads"], head_dim=lc.get("head_dim") or lc["hidden_size"] // lc["num_attention_heads"],
-        intermediate_size=lc["intermediate_size"], aux_layer_ids=raw["eagle_aux_hidden_state_layer_ids"],
-        rms_norm_eps=lc["rms_norm_eps"], rope_theta=lc.get("rope_theta", 10000.0),
-        max_position_embeddings=lc["max_position_embeddings"], num_layers=lc["num_hidden_layers"],
-        norm_before_residual=raw["norm_before_residual"], hidden_act=lc.get("hidden_act", "silu"),
+        vocab_size=lc["vocab_size"],
+        draft_vocab_size=raw["draft_vocab_size"],
+        hidden_size=lc["hidden_size"],
+        target_hidden_size=raw["target_hidden_size"],
+        num_attention_heads=lc["num_attention_heads"],
+        num_key_value_heads=lc["num_key_value_heads"],
+        head_dim=lc.get("head_dim") or lc["hidden_size"] // lc["num_attention_heads"],
+        intermediate_size=lc["intermediate_size"],
+        aux_layer_ids=raw["eagle_aux_hidden_state_layer_ids"],
+        rms_norm_eps=lc["rms_norm_eps"],
+        rope_theta=lc.get("rope_theta", 10000.0),
+        max_position_embeddings=lc["max_position_embeddings"],
+        num_layers=lc["num_hidden_layers"],
+        norm_before_residual=raw["norm_before_residual"],
+        hidden_act=lc.get("hidden_act", "silu"),
     )
     first = "layers.0" if speculators else "midlayer"
     # the engines' names -> ours: the first layer is our `midlayer`, later ones shift down by one
@@ -243,37 +267,52 @@ def import_drafter(directory: str | Path, embed_weight: torch.Tensor | None = No
 
 def _dspark_from_config(directory: Path, raw: dict[str, Any]) -> DSparkDrafter:
     """Our DSpark drafter shaped by a speculators `dspark` config.json, refusing variants it does not compute."""
-    unsupported = {"sample_from_anchor": (raw.get("sample_from_anchor"), True),
-                   "markov_head_type": (raw.get("markov_head_type", "vanilla"), "vanilla"),
-                   "enable_confidence_head": (raw.get("enable_confidence_head", True), True),
-                   "confidence_head_with_markov": (raw.get("confidence_head_with_markov"), raw.get("markov_rank", 0) > 0)}
+    unsupported = {
+        "sample_from_anchor": (raw.get("sample_from_anchor"), True),
+        "markov_head_type": (raw.get("markov_head_type", "vanilla"), "vanilla"),
+        "enable_confidence_head": (raw.get("enable_confidence_head", True), True),
+        "confidence_head_with_markov": (raw.get("confidence_head_with_markov"), raw.get("markov_rank", 0) > 0),
+    }
     wrong = {k: have for k, (have, want) in unsupported.items() if have != want}
     if wrong:
-        raise StageError(f"{directory}: a DSpark variant draftsmith does not compute ({wrong}); it needs "
-                         "sample_from_anchor=true, a vanilla Markov head and a confidence head reading it when present")
+        raise StageError(
+            f"{directory}: a DSpark variant draftsmith does not compute ({wrong}); it needs "
+            "sample_from_anchor=true, a vanilla Markov head and a confidence head reading it when present"
+        )
     lc = raw["transformer_layer_config"]
     cfg = DSparkConfig(
-        vocab_size=lc["vocab_size"], draft_vocab_size=raw["draft_vocab_size"], hidden_size=lc["hidden_size"],
-        target_hidden_size=raw["target_hidden_size"], num_attention_heads=lc["num_attention_heads"],
-        num_key_value_heads=lc["num_key_value_heads"], head_dim=lc.get("head_dim") or lc["hidden_size"] // lc["num_attention_heads"],
-        intermediate_size=lc["intermediate_size"], aux_layer_ids=raw["aux_hidden_state_layer_ids"],
-        mask_token_id=raw["mask_token_id"], block_size=raw["block_size"], num_layers=lc["num_hidden_layers"],
-        markov_rank=raw.get("markov_rank", 0), rms_norm_eps=lc["rms_norm_eps"], rope_theta=lc.get("rope_theta", 10000.0),
-        max_position_embeddings=lc["max_position_embeddings"], hidden_act=lc.get("hidden_act", "silu"),
+        vocab_size=lc["vocab_size"],
+        draft_vocab_size=raw["draft_vocab_size"],
+        hidden_size=lc["hidden_size"],
+        target_hidden_size=raw["target_hidden_size"],
+        num_attention_heads=lc["num_attention_heads"],
+        num_key_value_heads=lc["num_key_value_heads"],
+        head_dim=lc.get("head_dim") or lc["hidden_size"] // lc["num_attention_heads"],
+        intermediate_size=lc["intermediate_size"],
+        aux_layer_ids=raw["aux_hidden_state_layer_ids"],
+        mask_token_id=raw["mask_token_id"],
+        block_size=raw["block_size"],
+        num_layers=lc["num_hidden_layers"],
+        markov_rank=raw.get("markov_rank", 0),
+        rms_norm_eps=lc["rms_norm_eps"],
+        rope_theta=lc.get("rope_theta", 10000.0),
+        max_position_embeddings=lc["max_position_embeddings"],
+        hidden_act=lc.get("hidden_act", "silu"),
         confidence_temperatures=raw.get("draftsmith_confidence_temperatures"),
         extra={"rope_scaling": lc["rope_scaling"]} if lc.get("rope_scaling") else {},
     )
     return DSparkDrafter(cfg)
 
 
-def _load_weights(model: DrafterBase, directory: Path, embed_weight: torch.Tensor | None,
-                  renames: dict[str, str]) -> DrafterBase:
+def _load_weights(
+    model: DrafterBase, directory: Path, embed_weight: torch.Tensor | None, renames: dict[str, str]
+) -> DrafterBase:
     """Fill `model` from DIRECTORY/model.safetensors (names renamed by prefix), the embedding from the target when
     the export has none; refuses missing or unexpected tensors. Keeps the export's dtype."""
     ours = {}
     for key, value in load_file(str(directory / "model.safetensors")).items():
         prefix = next((p for p in renames if key.startswith(p)), None)
-        ours[renames[prefix] + key[len(prefix):] if prefix else key] = value
+        ours[renames[prefix] + key[len(prefix) :] if prefix else key] = value
     if "embed_tokens.weight" not in ours:
         if embed_weight is None:
             raise StageError(f"{directory} has no embedding (engines share the target's); pass the target to import it")
@@ -291,55 +330,99 @@ def _load_weights(model: DrafterBase, directory: Path, embed_weight: torch.Tenso
 # ------------------------------------------------------------------------------------------ stage
 
 
-def _readme(formats: dict[str, Path], cfg: RunConfig, models: dict[str, Any], target_name: str,
-            refusal: str | None, k: int) -> str:
+def _readme(
+    formats: dict[str, Path], cfg: RunConfig, models: dict[str, Any], target_name: str, refusal: str | None, k: int
+) -> str:
     lines = [f"# Drafters for `{target_name}`", ""]
     if "eagle3" in models:
         m = models["eagle3"]
-        lines += [f"EAGLE-3: {m.config.num_layers} layer(s), draft vocab {m.config.draft_vocab_size}, aux layers "
-                  f"{m.config.aux_layer_ids} (HF hidden_states indices).", ""]
+        lines += [
+            f"EAGLE-3: {m.config.num_layers} layer(s), draft vocab {m.config.draft_vocab_size}, aux layers "
+            f"{m.config.aux_layer_ids} (HF hidden_states indices).",
+            "",
+        ]
     if "eagle3" in formats:
         d = formats["eagle3"]
-        lines += ["## EAGLE-3 on vLLM", "", "```bash",
-                  f"vllm serve {target_name} --speculative-config '{json.dumps({'method': 'eagle3', 'model': str(d), 'num_speculative_tokens': k})}'",
-                  "```", "", "## EAGLE-3 on SGLang", ""]
+        lines += [
+            "## EAGLE-3 on vLLM",
+            "",
+            "```bash",
+            f"vllm serve {target_name} --speculative-config '{json.dumps({'method': 'eagle3', 'model': str(d), 'num_speculative_tokens': k})}'",
+            "```",
+            "",
+            "## EAGLE-3 on SGLang",
+            "",
+        ]
         if refusal:
             lines += [f"Not loadable by SGLang: {refusal}.", ""]
         else:
-            lines += ["```bash", f"python -m sglang.launch_server --model-path {target_name} --speculative-algorithm EAGLE3 "
-                      f"--speculative-draft-model-path {d} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-                      f"--speculative-num-draft-tokens {k + 1}", "```", ""]
+            lines += [
+                "```bash",
+                f"python -m sglang.launch_server --model-path {target_name} --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {d} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+                f"--speculative-num-draft-tokens {k + 1}",
+                "```",
+                "",
+            ]
     if "speculators" in formats:
-        lines += ["## EAGLE-3, speculators format (vLLM serves it directly)", "", "```bash", f"vllm serve {formats['speculators']}", "```", ""]
+        lines += [
+            "## EAGLE-3, speculators format (vLLM serves it directly)",
+            "",
+            "```bash",
+            f"vllm serve {formats['speculators']}",
+            "```",
+            "",
+        ]
     if "dspark" in formats:
         m = models["dspark"]
-        lines += ["## DSpark block drafter (speculators DSpark layout, vLLM `method: dspark`)", "",
-                  f"{m.config.num_layers} backbone layers, block {m.config.block_size}, sequential-bias rank "
-                  f"{m.config.markov_rank}, draft vocab {m.config.draft_vocab_size}, aux layers {m.config.aux_layer_ids}.", "",
-                  "```bash",
-                  f"vllm serve {target_name} --speculative-config '{json.dumps({'method': 'dspark', 'model': str(formats['dspark']), 'num_speculative_tokens': m.config.block_size})}'",
-                  "```", "", "SGLang has no DSpark drafter.", ""]
+        lines += [
+            "## DSpark block drafter (speculators DSpark layout, vLLM `method: dspark`)",
+            "",
+            f"{m.config.num_layers} backbone layers, block {m.config.block_size}, sequential-bias rank "
+            f"{m.config.markov_rank}, draft vocab {m.config.draft_vocab_size}, aux layers {m.config.aux_layer_ids}.",
+            "",
+            "```bash",
+            f"vllm serve {target_name} --speculative-config '{json.dumps({'method': 'dspark', 'model': str(formats['dspark']), 'num_speculative_tokens': m.config.block_size})}'",
+            "```",
+            "",
+            "SGLang has no DSpark drafter.",
+            "",
+        ]
     for family in models:
         train_manifest = cfg.run_path / "train" / family / "manifest.json"
         if train_manifest.is_file():
             tm = json.loads(train_manifest.read_text())
-            lines += [f"## Training ({family})", "", f"{tm.get('steps')} optimizer steps, best holdout simulated τ "
-                      f"{tm.get('best_holdout_tau')}; features from `{cfg.run_path / 'features'}`.", ""]
+            lines += [
+                f"## Training ({family})",
+                "",
+                f"{tm.get('steps')} optimizer steps, best holdout simulated τ "
+                f"{tm.get('best_holdout_tau')}; features from `{cfg.run_path / 'features'}`.",
+                "",
+            ]
     feats = cfg.run_path / "features" / "manifest.json"
     if feats.is_file():
         fm = json.loads(feats.read_text())
-        lines += [f"Training data: {fm['counts']['samples']} conversations, {fm['counts']['tokens']} tokens "
-                  f"({fm['counts']['supervised_tokens']} assistant tokens).", ""]
+        lines += [
+            f"Training data: {fm['counts']['samples']} conversations, {fm['counts']['tokens']} tokens "
+            f"({fm['counts']['supervised_tokens']} assistant tokens).",
+            "",
+        ]
     eval_json = cfg.run_path / cfg.eval.output / "eval.json"
     if eval_json.is_file():
         ev = json.loads(eval_json.read_text())
-        lines += ["## Measured acceptance length (draftsmith eval)", "", "| T | drafter | domain | τ | speedup |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "## Measured acceptance length (draftsmith eval)",
+            "",
+            "| T | drafter | domain | τ | speedup |",
+            "|---|---|---|---|---|",
+        ]
         for run in ev["runs"]:
             for name in [d for d in run["drafters"] if d in models]:
                 for domain, row in run["domains"].items():
                     st = row[name]
-                    lines.append(f"| {run['temperature']} | {name} | {domain} | {st['tau']:.2f} | {st.get('speedup', 0):.2f}x |")
+                    lines.append(
+                        f"| {run['temperature']} | {name} | {domain} | {st['tau']:.2f} | {st.get('speedup', 0):.2f}x |"
+                    )
         lines.append("")
     return "\n".join(lines)
 
@@ -349,8 +432,11 @@ def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
     """Export the trained drafter(s): `drafter` (a directory), else every family of train.drafters."""
     x = cfg.export
     spec = resolve_target(cfg.model)
-    sources = ([trained_drafter(cfg, spec.identity(), drafter)] if drafter else
-               [trained_drafter(cfg, spec.identity(), None, family) for family in cfg.train.drafters])
+    sources = (
+        [trained_drafter(cfg, spec.identity(), drafter)]
+        if drafter
+        else [trained_drafter(cfg, spec.identity(), None, family) for family in cfg.train.drafters]
+    )
     models = {}
     for source in sources:
         model = load_drafter(source)
@@ -381,8 +467,15 @@ def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
         _write(out / "dspark", tensors, config)
         written["dspark"] = out / "dspark"
     (out / "README.md").write_text(_readme(written, cfg, models, spec.name, refusal, cfg.eval.draft_length))
-    write_manifest(out, "export", target=spec.identity(), sources={n: str(s) for n, s in zip(models, sources)}, dtype=x.dtype,
-                   formats={k: str(v.relative_to(out)) for k, v in written.items()}, sglang_refusal=refusal)
+    write_manifest(
+        out,
+        "export",
+        target=spec.identity(),
+        sources={n: str(s) for n, s in zip(models, sources)},
+        dtype=x.dtype,
+        formats={k: str(v.relative_to(out)) for k, v in written.items()},
+        sglang_refusal=refusal,
+    )
     console.print(f"export -> {out}: " + ", ".join(f"{k}/" for k in written), highlight=False)
     return out
 

@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from accelerate import PartialState
-
-from draftsmith.pipeline.dist import dist_state
 from tqdm.auto import tqdm
 
 from draftsmith.data.artifacts import (
-    ArtifactError, atomic_write_text, check_same_target, read_records, write_manifest, write_records,
+    ArtifactError,
+    atomic_write_text,
+    check_same_target,
+    read_records,
+    write_manifest,
+    write_records,
 )
 from draftsmith.data.chat import encode_text, prompt_ids, stop_token_ids, user_header
 from draftsmith.data.generation import Generator, HFGenerator, Sampling
@@ -34,6 +37,7 @@ from draftsmith.data.records import build_record, holdout_split
 from draftsmith.data.synthesis import PromptFilter
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console, counts_table
+from draftsmith.pipeline.dist import dist_state
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.resume import PlanMismatch, start_or_resume
 from draftsmith.pipeline.target import load_model, load_tokenizer, pick_device, resolve_target
@@ -54,14 +58,21 @@ def _reset(conv: dict[str, Any]) -> dict[str, Any]:
     """A copy with every assistant turn pending (generate rewrites them all)."""
     conv = copy.deepcopy(conv)
     conv["messages"] = [
-        {"role": m["role"], "content": None} if m["role"] == "assistant" else {"role": m["role"], "content": m["content"]}
+        {"role": m["role"], "content": None}
+        if m["role"] == "assistant"
+        else {"role": m["role"], "content": m["content"]}
         for m in conv["messages"]
     ]
     return conv
 
 
 def answer_conversations(
-    gen: Generator, tok, convs: list[dict[str, Any]], sampling: Sampling, seed: int, max_length: int,
+    gen: Generator,
+    tok,
+    convs: list[dict[str, Any]],
+    sampling: Sampling,
+    seed: int,
+    max_length: int,
     counts: Counter,
 ) -> list[dict[str, Any]]:
     """Fill every assistant turn, turn by turn (the model sees its own earlier answers).
@@ -109,7 +120,9 @@ def answer_conversations(
 # ------------------------------------------------------------------------------------------ synthesis
 
 
-def synthesize_prompts(gen: Generator, tok, cfg: RunConfig, synth_dir: Path, state: PartialState) -> tuple[list[dict[str, Any]], Counter]:
+def synthesize_prompts(
+    gen: Generator, tok, cfg: RunConfig, synth_dir: Path, state: PartialState
+) -> tuple[list[dict[str, Any]], Counter]:
     """`generate.synthesize` user prompts, written by the target itself, as pending conversations.
 
     Rounds of `chunk_size` candidates are saved as they finish (round r by rank r mod W), and the filter
@@ -138,8 +151,12 @@ def synthesize_prompts(gen: Generator, tok, cfg: RunConfig, synth_dir: Path, sta
         if mine < s.max_rounds and not path.exists():
             comps = gen.generate(round_prompts, sampling, seed=derive_seed(g.seed, "synth", mine))
             lines = [
-                json.dumps({"text": op + tok.decode(c.token_ids, skip_special_tokens=False),
-                            "finished": c.finish_reason == "stop"})
+                json.dumps(
+                    {
+                        "text": op + tok.decode(c.token_ids, skip_special_tokens=False),
+                        "finished": c.finish_reason == "stop",
+                    }
+                )
                 for op, c in zip(round_openers, comps)
             ]
             atomic_write_text(path, "\n".join(lines) + "\n")
@@ -160,15 +177,24 @@ def synthesize_prompts(gen: Generator, tok, cfg: RunConfig, synth_dir: Path, sta
         if s.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": s.system_prompt})
         conv_id = f"synth:{i}"
-        convs.append({"id": conv_id, "domain": "synthetic", "source": "synthesize", "messages": messages,
-                      "split": holdout_split(conv_id, cfg.data.holdout_fraction, cfg.data.seed)})
+        convs.append(
+            {
+                "id": conv_id,
+                "domain": "synthetic",
+                "source": "synthesize",
+                "messages": messages,
+                "split": holdout_split(conv_id, cfg.data.holdout_fraction, cfg.data.seed),
+            }
+        )
     return convs, filt.counts
 
 
 # --------------------------------------------------------------------------------------------- stage
 
 
-def _plan(cfg: RunConfig, identity: dict[str, Any], chat_template: str, prepared: dict[str, Any] | None) -> dict[str, Any]:
+def _plan(
+    cfg: RunConfig, identity: dict[str, Any], chat_template: str, prepared: dict[str, Any] | None
+) -> dict[str, Any]:
     """Everything that decides the generated records; a resumed run must match it exactly."""
     return {
         "target": identity,
@@ -189,16 +215,30 @@ def make_generator(cfg: RunConfig, tok, state: PartialState) -> tuple[Generator,
     device = pick_device(cfg.model.device)
     backend = cfg.generate.backend
     if backend == "auto":
-        backend = "vllm" if device.type == "cuda" and spec.kind != "gguf" and state.num_processes == 1 and vllm_available() else "hf"
+        backend = (
+            "vllm"
+            if device.type == "cuda" and spec.kind != "gguf" and state.num_processes == 1 and vllm_available()
+            else "hf"
+        )
     stops = stop_token_ids(tok)
     if backend == "vllm":
         if not vllm_available():
-            raise StageError("generate.backend=vllm but vllm cannot be imported (pip install -e .[vllm] on a CUDA node)")
+            raise StageError(
+                "generate.backend=vllm but vllm cannot be imported (pip install -e .[vllm] on a CUDA node)"
+            )
         if state.num_processes > 1:
-            raise StageError("generate.backend=vllm runs as one process (vLLM parallelizes itself); start it without accelerate/torchrun")
+            raise StageError(
+                "generate.backend=vllm runs as one process (vLLM parallelizes itself); start it without accelerate/torchrun"
+            )
         dtype = "auto" if cfg.model.dtype == "auto" else cfg.model.dtype
-        return VLLMGenerator(spec.location, stops, dtype=dtype, revision=spec.revision, seed=cfg.generate.seed,
-                             tensor_parallel_size=cfg.generate.tensor_parallel_size), None
+        return VLLMGenerator(
+            spec.location,
+            stops,
+            dtype=dtype,
+            revision=spec.revision,
+            seed=cfg.generate.seed,
+            tensor_parallel_size=cfg.generate.tensor_parallel_size,
+        ), None
     model = load_model(cfg.model, spec, device)
     stops = stop_token_ids(tok, model)
     gen = HFGenerator(model, tok.pad_token_id, stops, cfg.generate.batch_size, progress=False)
@@ -247,12 +287,16 @@ def run_generate(cfg: RunConfig) -> Path:
     todo = [k for k in mine if not (chunks_dir / f"chunk-{k:05d}.json").is_file()]
     if len(todo) < len(mine):
         log.info("generate: resuming, %d of this rank's %d chunks already done", len(mine) - len(todo), len(mine))
-    bar = tqdm(todo, desc=f"generate (rank {state.process_index})", unit="chunk", disable=not state.is_local_main_process)
+    bar = tqdm(
+        todo, desc=f"generate (rank {state.process_index})", unit="chunk", disable=not state.is_local_main_process
+    )
     started, new_tokens = time.perf_counter(), 0
     for k in bar:
         chunk = convs[k * g.chunk_size : (k + 1) * g.chunk_size]
         counts: Counter = Counter()
-        answered = answer_conversations(gen, tok, chunk, sampling, derive_seed(g.seed, "chunk", k), cfg.data.max_length, counts)
+        answered = answer_conversations(
+            gen, tok, chunk, sampling, derive_seed(g.seed, "chunk", k), cfg.data.max_length, counts
+        )
         records = []
         for conv in answered:
             rec = build_record(tok, conv, conv["split"], cfg.data.max_length, cfg.data.overlong, counts)
@@ -274,11 +318,20 @@ def run_generate(cfg: RunConfig) -> Path:
 def write_chunk(chunks_dir: Path, k: int, records: list[dict[str, Any]], counts: Counter) -> None:
     """Shard first, sidecar last: the sidecar is the chunk's completion mark."""
     shard = write_records(chunks_dir / f"chunk-{k:05d}.parquet", records) if records else None
-    atomic_write_text(chunks_dir / f"chunk-{k:05d}.json", json.dumps({"chunk": k, "counts": dict(counts), "shard": shard}))
+    atomic_write_text(
+        chunks_dir / f"chunk-{k:05d}.json", json.dumps({"chunk": k, "counts": dict(counts), "shard": shard})
+    )
 
 
-def finalize(out: Path, n_chunks: int, plan: dict[str, Any], synth_counts: Counter, backend: str,
-             identity: dict[str, Any], cfg: RunConfig) -> None:
+def finalize(
+    out: Path,
+    n_chunks: int,
+    plan: dict[str, Any],
+    synth_counts: Counter,
+    backend: str,
+    identity: dict[str, Any],
+    cfg: RunConfig,
+) -> None:
     totals: Counter = Counter()
     shards = []
     for k in range(n_chunks):

@@ -70,10 +70,15 @@ def target_shape(config) -> TargetShape:
     heads = config.num_attention_heads
     total, body = _count_params(config)
     return TargetShape(
-        hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
+        hidden=config.hidden_size,
+        layers=config.num_hidden_layers,
+        heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        intermediate=config.intermediate_size, vocab=config.vocab_size, params=total, body_params=body,
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        params=total,
+        body_params=body,
     )
 
 
@@ -115,8 +120,10 @@ def load_target_config(cfg: RunConfig, explicit: str | None = None):
 
         return AutoConfig.from_pretrained(spec.location, revision=spec.revision, local_files_only=True)
     except (OSError, ValueError, TargetError) as exc:
-        raise PlanError(f"the config of {spec.name!r} is neither in the HF cache nor in {BUNDLED_TARGETS}; "
-                        f"pass --target-config PATH/config.json ({exc.__class__.__name__})") from None
+        raise PlanError(
+            f"the config of {spec.name!r} is neither in the HF cache nor in {BUNDLED_TARGETS}; "
+            f"pass --target-config PATH/config.json ({exc.__class__.__name__})"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------- the drafters
@@ -185,17 +192,39 @@ def drafter_shapes(cfg: RunConfig, t: TargetShape) -> list[DrafterShape]:
     shapes = []
     for family in families:
         if family == "eagle3":
-            shapes.append(DrafterShape(
-                "eagle3", t.hidden, train.num_layers, train.num_attention_heads or t.heads,
-                train.num_key_value_heads or t.kv_heads, train.head_dim or t.head_dim,
-                train.intermediate_size or t.intermediate, n_aux, D, t.vocab))
+            shapes.append(
+                DrafterShape(
+                    "eagle3",
+                    t.hidden,
+                    train.num_layers,
+                    train.num_attention_heads or t.heads,
+                    train.num_key_value_heads or t.kv_heads,
+                    train.head_dim or t.head_dim,
+                    train.intermediate_size or t.intermediate,
+                    n_aux,
+                    D,
+                    t.vocab,
+                )
+            )
         elif family == "dspark":
             ds = train.dspark
-            shapes.append(DrafterShape(
-                "dspark", t.hidden, ds.num_layers, ds.num_attention_heads or t.heads,
-                ds.num_key_value_heads or t.kv_heads, ds.head_dim or t.head_dim,
-                ds.intermediate_size or t.intermediate, len(ds.aux_layer_ids) if ds.aux_layer_ids else n_aux,
-                D, t.vocab, markov_rank=ds.markov_rank, block_size=ds.block_size, anchors=ds.anchors_per_sequence))
+            shapes.append(
+                DrafterShape(
+                    "dspark",
+                    t.hidden,
+                    ds.num_layers,
+                    ds.num_attention_heads or t.heads,
+                    ds.num_key_value_heads or t.kv_heads,
+                    ds.head_dim or t.head_dim,
+                    ds.intermediate_size or t.intermediate,
+                    len(ds.aux_layer_ids) if ds.aux_layer_ids else n_aux,
+                    D,
+                    t.vocab,
+                    markov_rank=ds.markov_rank,
+                    block_size=ds.block_size,
+                    anchors=ds.anchors_per_sequence,
+                )
+            )
         else:
             raise PlanError(f"no plan formulas for drafter family {family!r}")
     return shapes
@@ -231,9 +260,11 @@ def deepspeed_settings(path: str | None) -> dict[str, Any]:
     if not p.is_file():
         raise PlanError(f"train.deepspeed: {p} not found")
     zero = json.loads(p.read_text()).get("zero_optimization", {})
-    return {"zero_stage": int(zero.get("stage", 0)),
-            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") == "cpu",
-            "offload_params": zero.get("offload_param", {}).get("device", "none") == "cpu"}
+    return {
+        "zero_stage": int(zero.get("stage", 0)),
+        "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") == "cpu",
+        "offload_params": zero.get("offload_param", {}).get("device", "none") == "cpu",
+    }
 
 
 def make_layout(cfg: RunConfig, world: int, zero_stage: int | None) -> Layout:
@@ -250,9 +281,15 @@ def make_layout(cfg: RunConfig, world: int, zero_stage: int | None) -> Layout:
             shards = 0
         elif (cfg.model.tp_size or 1) > 1:
             shards = cfg.model.tp_size or 1
-    return Layout(world=world, zero_stage=stage, bf16=cfg.train.mixed_precision != "no",
-                  offload_optimizer=bool(ds.get("offload_optimizer")) and stage > 0,
-                  offload_params=bool(ds.get("offload_params")) and stage == 3, online=online, target_shards=shards)
+    return Layout(
+        world=world,
+        zero_stage=stage,
+        bf16=cfg.train.mixed_precision != "no",
+        offload_optimizer=bool(ds.get("offload_optimizer")) and stage > 0,
+        offload_params=bool(ds.get("offload_params")) and stage == 3,
+        online=online,
+        target_shards=shards,
+    )
 
 
 # --------------------------------------------------------------------------------------------- memory
@@ -273,7 +310,10 @@ def state_bytes(p: ParamCount, lay: Layout) -> dict[str, float]:
         w = g = 2.0
         master = 4.0
     moments = 8.0
-    part = lambda stage: W if s >= stage else 1
+
+    def part(stage: int) -> int:  # the ZeRO stage from which a tensor is partitioned over W ranks
+        return W if s >= stage else 1
+
     weights = p.trainable * w / part(3)
     frozen = p.frozen * (4.0 if s == 0 else w) / part(3)
     if lay.offload_params:
@@ -281,12 +321,17 @@ def state_bytes(p: ParamCount, lay: Layout) -> dict[str, float]:
     optimizer = p.trainable * (master + moments) / part(1)
     if lay.offload_optimizer:
         optimizer = 0.0
-    return {"drafter weights": weights, "frozen drafter weights": frozen,
-            "gradients": p.trainable * g / part(2), "optimizer (master + moments)": optimizer}
+    return {
+        "drafter weights": weights,
+        "frozen drafter weights": frozen,
+        "gradients": p.trainable * g / part(2),
+        "optimizer (master + moments)": optimizer,
+    }
 
 
-def eagle3_activation_bytes(d: DrafterShape, steps: int, batch_tokens: int, seq: int, feature_bytes: int,
-                            act: int, checkpointing: bool) -> float:
+def eagle3_activation_bytes(
+    d: DrafterShape, steps: int, batch_tokens: int, seq: int, feature_bytes: int, act: int, checkpointing: bool
+) -> float:
     """One micro-batch of the TTT unroll (drafters/eagle3.py), as kept for backward. T = batch_tokens, S = the
     longest sequence, a = activation bytes (2 in bf16):
 
@@ -306,7 +351,10 @@ def eagle3_activation_bytes(d: DrafterShape, steps: int, batch_tokens: int, seq:
     other = T * act * (4 * H + attn + 3 * d.intermediate)
     step_layers = first + (nl - 1) * other
     scores = nl * d.heads * seq * T * 8
-    diag = lambda i: nl * i * 2 * d.heads * hd * T * act
+
+    def diag(i: int) -> float:  # TTT step i's per-slot keys/values of the earlier steps
+        return nl * i * 2 * d.heads * hd * T * act
+
     if checkpointing:
         kept = steps * nl * T * act * (2 * H + 2 * d.kv_heads * hd) + step_layers + scores + diag(steps - 1)
     else:
@@ -337,9 +385,11 @@ def dspark_activation_bytes(d: DrafterShape, batch_tokens: int, seq: int, featur
       (Tb x (r + D) x a), the teacher's probabilities (Tb x D x 4) and the confidence input (Tb x (H + r) x a)."""
     T, H, hd, D, r = batch_tokens, d.hidden, d.head_dim, d.draft_vocab, d.markov_rank
     _, anchors, Tb = dspark_slots(d, T, seq)
-    per_layer = (T * 2 * d.kv_heads * hd * act
-                 + Tb * act * (4 * H + (2 * d.heads + 2 * d.kv_heads) * hd + 3 * d.intermediate)
-                 + (T + Tb) * 2 * d.heads * hd * act)
+    per_layer = (
+        T * 2 * d.kv_heads * hd * act
+        + Tb * act * (4 * H + (2 * d.heads + 2 * d.kv_heads) * hd + 3 * d.intermediate)
+        + (T + Tb) * 2 * d.heads * hd * act
+    )
     mask = Tb * (seq + anchors * d.block_size)
     heads = Tb * D * (act + 8) + Tb * (r + D) * act + Tb * D * 4 + Tb * (H + r) * act
     inputs = T * (d.n_aux + 1) * H * feature_bytes + 2 * T * H * act
@@ -365,8 +415,11 @@ def eagle3_flops(d: DrafterShape, p: ParamCount, t: TargetShape, steps: int, seq
     backward = 6 x heads x head_dim x seq) and steps >= 1 compute the full score matrix before masking (twice
     that); the frozen teacher head over the full vocabulary, forward only (2 x V x H)."""
     attention = d.layers * d.heads * d.head_dim * seq * (6 + 12 * (steps - 1))
-    return {"drafter": 6.0 * p.trainable * steps, "drafter attention": float(attention),
-            "teacher head": 2.0 * t.vocab * t.hidden}
+    return {
+        "drafter": 6.0 * p.trainable * steps,
+        "drafter attention": float(attention),
+        "teacher head": 2.0 * t.vocab * t.hidden,
+    }
 
 
 def dspark_flops(d: DrafterShape, p: ParamCount, t: TargetShape, seq: float) -> dict[str, float]:
@@ -381,11 +434,13 @@ def dspark_flops(d: DrafterShape, p: ParamCount, t: TargetShape, seq: float) -> 
     rho = anchors * d.block_size / seq
     context = d.n_aux * H * H + d.layers * 2 * H * kv
     block = p.trainable - p.lookup - d.n_aux * H * H
-    return {"drafter (context)": 6.0 * context,
-            "drafter (blocks)": rho * 6.0 * block,
-            "drafter attention": rho * 12.0 * d.heads * d.head_dim * (seq + anchors * d.block_size) * d.layers,
-            "frozen lm_head": rho * 4.0 * d.draft_vocab * H,
-            "teacher head": rho * 2.0 * t.vocab * t.hidden}
+    return {
+        "drafter (context)": 6.0 * context,
+        "drafter (blocks)": rho * 6.0 * block,
+        "drafter attention": rho * 12.0 * d.heads * d.head_dim * (seq + anchors * d.block_size) * d.layers,
+        "frozen lm_head": rho * 4.0 * d.draft_vocab * H,
+        "teacher head": rho * 2.0 * t.vocab * t.hidden,
+    }
 
 
 def online_flops(t: TargetShape, seq: float) -> dict[str, float]:
@@ -413,7 +468,9 @@ class Plan:
         return json.dumps(asdict(self), indent=2)
 
 
-def estimate_tokens(cfg: RunConfig, tokens: int | None, records: int | None, prompt_tokens: int) -> tuple[int | None, str, float]:
+def estimate_tokens(
+    cfg: RunConfig, tokens: int | None, records: int | None, prompt_tokens: int
+) -> tuple[int | None, str, float]:
     """(training tokens, where the number comes from, mean tokens per record)."""
     per_record = float(min(cfg.data.max_length, prompt_tokens + cfg.generate.max_new_tokens))
     if tokens is not None:
@@ -428,8 +485,14 @@ def estimate_tokens(cfg: RunConfig, tokens: int | None, records: int | None, pro
     if not records:
         return None, "unknown: pass --tokens N or --records N (or set data.sources[*].limit)", per_record
     est = int(records * per_record)
-    return est, (f"{records:,} records x {per_record:.0f} tokens (min(data.max_length, {prompt_tokens} prompt tokens "
-                 f"+ generate.max_new_tokens); set --prompt-tokens / --tokens to refine)"), per_record
+    return (
+        est,
+        (
+            f"{records:,} records x {per_record:.0f} tokens (min(data.max_length, {prompt_tokens} prompt tokens "
+            f"+ generate.max_new_tokens); set --prompt-tokens / --tokens to refine)"
+        ),
+        per_record,
+    )
 
 
 def _tokens_in_run(cfg: RunConfig) -> tuple[int, int, str] | None:
@@ -449,9 +512,18 @@ def _tokens_in_run(cfg: RunConfig) -> tuple[int, int, str] | None:
     return (n, total, str(directory)) if n else None
 
 
-def make_plan(cfg: RunConfig, *, target_config=None, tokens: int | None = None, records: int | None = None,
-              prompt_tokens: int = 256, world: int = 8, zero_stage: int | None = None,
-              gpu_tflops: float = 989.0, mfu: float = 0.35) -> Plan:
+def make_plan(
+    cfg: RunConfig,
+    *,
+    target_config=None,
+    tokens: int | None = None,
+    records: int | None = None,
+    prompt_tokens: int = 256,
+    world: int = 8,
+    zero_stage: int | None = None,
+    gpu_tflops: float = 989.0,
+    mfu: float = 0.35,
+) -> Plan:
     from draftsmith.data.feature_store import bytes_per_token
 
     config = target_config if target_config is not None else load_target_config(cfg)
@@ -464,21 +536,31 @@ def make_plan(cfg: RunConfig, *, target_config=None, tokens: int | None = None, 
     seq = min(cfg.data.max_length, train.batch_tokens)
     feature_bytes = 0 if lay.online else (2 if cfg.collect.dtype == "bfloat16" else 4)
     act = 2 if lay.bf16 else 4
-    plan = Plan(target=asdict(t), tokens=total, tokens_source=source, seq_len=seq, mean_len=mean_len,
-                feature_bytes_per_token=bpt, feature_disk_bytes=None if total is None else bpt * total,
-                layout=asdict(lay))
+    plan = Plan(
+        target=asdict(t),
+        tokens=total,
+        tokens_source=source,
+        seq_len=seq,
+        mean_len=mean_len,
+        feature_bytes_per_token=bpt,
+        feature_disk_bytes=None if total is None else bpt * total,
+        layout=asdict(lay),
+    )
     for d in drafter_shapes(cfg, t):
         p = drafter_params(d)
         memory = state_bytes(p, lay)
         if d.family == "eagle3":
             memory["activations (TTT unroll)"] = eagle3_activation_bytes(
-                d, train.ttt_steps, train.batch_tokens, seq, feature_bytes, act, train.gradient_checkpointing)
+                d, train.ttt_steps, train.batch_tokens, seq, feature_bytes, act, train.gradient_checkpointing
+            )
             memory["teacher lm_head (fp32)"] = 4.0 * t.vocab * t.hidden  # fp32: the teacher's logits are never rounded
             # fp32 logits and one fp32 temporary (logits / T for the normalizer)
             memory["teacher logits (one chunk)"] = float(min(TEACHER_CHUNK, train.batch_tokens) * t.vocab * 8)
             flops = eagle3_flops(d, p, t, train.ttt_steps, mean_len)
         else:
-            memory["activations (anchor blocks)"] = dspark_activation_bytes(d, train.batch_tokens, seq, feature_bytes, act)
+            memory["activations (anchor blocks)"] = dspark_activation_bytes(
+                d, train.batch_tokens, seq, feature_bytes, act
+            )
             memory["teacher lm_head (fp32)"] = 4.0 * t.vocab * t.hidden
             flops = dspark_flops(d, p, t, mean_len)
         memory.update(target_bytes(t, lay, train.batch_tokens, n_aux_store))
@@ -490,12 +572,20 @@ def make_plan(cfg: RunConfig, *, target_config=None, tokens: int | None = None, 
             epochs = getattr(train.dspark, "epochs", None) if d.family == "dspark" else None
             epochs = epochs or train.epochs
             gpu_hours = total * epochs * per_token / (gpu_tflops * 1e12 * mfu) / 3600
-        plan.drafters.append({
-            "family": d.family, "shape": asdict(d), "params": {**asdict(p), "total": p.total},
-            "memory_bytes": memory, "memory_total_bytes": sum(memory.values()),
-            "flops_per_token": flops, "flops_per_token_total": per_token,
-            "gpu_hours": gpu_hours, "assumed_gpu_tflops": gpu_tflops, "assumed_mfu": mfu,
-        })
+        plan.drafters.append(
+            {
+                "family": d.family,
+                "shape": asdict(d),
+                "params": {**asdict(p), "total": p.total},
+                "memory_bytes": memory,
+                "memory_total_bytes": sum(memory.values()),
+                "flops_per_token": flops,
+                "flops_per_token_total": per_token,
+                "gpu_hours": gpu_hours,
+                "assumed_gpu_tflops": gpu_tflops,
+                "assumed_mfu": mfu,
+            }
+        )
     return plan
 
 
@@ -516,29 +606,48 @@ def _si(x: float) -> str:
 def render(plan: Plan, gpu_memory_gib: float) -> str:
     t, lay = plan.target, plan.layout
     lines = [
-        (f"target: {t['layers']} layers, hidden {t['hidden']}, {t['heads']}/{t['kv_heads']} heads x {t['head_dim']}, "
-         f"MLP {t['intermediate']}, vocab {t['vocab']:,}; {t['params'] / 1e9:.2f} B parameters"),
+        (
+            f"target: {t['layers']} layers, hidden {t['hidden']}, {t['heads']}/{t['kv_heads']} heads x {t['head_dim']}, "
+            f"MLP {t['intermediate']}, vocab {t['vocab']:,}; {t['params'] / 1e9:.2f} B parameters"
+        ),
         "",
         "offline features (collect)",
         f"  bytes/token: {plan.feature_bytes_per_token:,}  (aux + final hidden states, token id int32, mask byte)",
         f"  tokens:      {'?' if plan.tokens is None else f'{plan.tokens:,}'}  ({plan.tokens_source})",
-        "  disk:        " + ("?" if plan.feature_disk_bytes is None else
-                              f"{plan.feature_disk_bytes / GIB:,.1f} GiB ({plan.feature_disk_bytes / 1e12:,.2f} TB); "
-                              "features=online needs none"),
+        "  disk:        "
+        + (
+            "?"
+            if plan.feature_disk_bytes is None
+            else f"{plan.feature_disk_bytes / GIB:,.1f} GiB ({plan.feature_disk_bytes / 1e12:,.2f} TB); "
+            "features=online needs none"
+        ),
         "",
         f"training layout: {lay['world']} rank(s), "
         + ("DDP" if lay["zero_stage"] == 0 else f"DeepSpeed ZeRO-{lay['zero_stage']}")
         + (", optimizer offloaded to CPU" if lay["offload_optimizer"] else "")
         + (", weights offloaded to CPU" if lay["offload_params"] else "")
         + (", bf16" if lay["bf16"] else ", fp32")
-        + (", features online (target "
-           + ("in CPU memory" if lay["target_shards"] == 0 else "replicated" if lay["target_shards"] == 1
-              else f"split {lay['target_shards']} ways") + ")" if lay["online"] else ", features offline")
+        + (
+            ", features online (target "
+            + (
+                "in CPU memory"
+                if lay["target_shards"] == 0
+                else "replicated"
+                if lay["target_shards"] == 1
+                else f"split {lay['target_shards']} ways"
+            )
+            + ")"
+            if lay["online"]
+            else ", features offline"
+        )
         + f"; longest sequence {plan.seq_len}, mean record {plan.mean_len:.0f} tokens",
     ]
     for d in plan.drafters:
         p = d["params"]
-        lines += ["", f"{d['family']}: {p['trainable'] / 1e6:,.1f} M trainable + {p['frozen'] / 1e6:,.1f} M frozen parameters"]
+        lines += [
+            "",
+            f"{d['family']}: {p['trainable'] / 1e6:,.1f} M trainable + {p['frozen'] / 1e6:,.1f} M frozen parameters",
+        ]
         lines.append("  GPU memory per rank:")
         for name, value in d["memory_bytes"].items():
             lines.append(f"    {name:32s} {_gib(value)}")
@@ -550,23 +659,43 @@ def render(plan: Plan, gpu_memory_gib: float) -> str:
             lines.append(f"    {name:32s} {_si(value)}FLOP")
         lines.append(f"    {'total':32s} {_si(d['flops_per_token_total'])}FLOP")
         if d["gpu_hours"] is not None:
-            lines.append(f"  ≈ {d['gpu_hours']:,.1f} GPU-hours for the planned epochs at {d['assumed_mfu']:.0%} MFU of "
-                         f"{d['assumed_gpu_tflops']:g} TFLOP/s")
+            lines.append(
+                f"  ≈ {d['gpu_hours']:,.1f} GPU-hours for the planned epochs at {d['assumed_mfu']:.0%} MFU of "
+                f"{d['assumed_gpu_tflops']:g} TFLOP/s"
+            )
     return "\n".join(lines)
 
 
-def run_plan(cfg: RunConfig, tokens: int | None = None, records: int | None = None, prompt_tokens: int = 256,
-             world_size: int = 8, zero_stage: int | None = None, target_config: str | None = None,
-             gpu_memory_gib: float = 80.0, gpu_tflops: float = 989.0, mfu: float = 0.35,
-             json_out: str | None = None) -> Plan:
+def run_plan(
+    cfg: RunConfig,
+    tokens: int | None = None,
+    records: int | None = None,
+    prompt_tokens: int = 256,
+    world_size: int = 8,
+    zero_stage: int | None = None,
+    target_config: str | None = None,
+    gpu_memory_gib: float = 80.0,
+    gpu_tflops: float = 989.0,
+    mfu: float = 0.35,
+    json_out: str | None = None,
+) -> Plan:
     """The `draftsmith plan` stage: compute, print, and optionally write the plan as JSON."""
     from draftsmith.pipeline.console import console
     from draftsmith.pipeline.errors import StageError
 
     try:
         config = load_target_config(cfg, target_config)
-        plan = make_plan(cfg, target_config=config, tokens=tokens, records=records, prompt_tokens=prompt_tokens,
-                         world=world_size, zero_stage=zero_stage, gpu_tflops=gpu_tflops, mfu=mfu)
+        plan = make_plan(
+            cfg,
+            target_config=config,
+            tokens=tokens,
+            records=records,
+            prompt_tokens=prompt_tokens,
+            world=world_size,
+            zero_stage=zero_stage,
+            gpu_tflops=gpu_tflops,
+            mfu=mfu,
+        )
     except PlanError as exc:
         raise StageError(str(exc)) from None
     console.print(render(plan, gpu_memory_gib), highlight=False, markup=False, soft_wrap=True)

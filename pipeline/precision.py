@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -44,16 +44,21 @@ def cpu_bf16() -> tuple[bool, str]:
     capability = torch.backends.cpu.get_cpu_capability()
     native = [name for name, feature in (("AVX-512 BF16", "avx512_bf16"), ("AMX", "amx_tile")) if _cpu_has(feature)]
     if not native:
-        return False, (f"the CPU has no native bf16 instructions (no AVX-512 BF16, no AMX; torch runs {capability} "
-                       "kernels), where bf16 runs ~30x slower than fp32")
+        return False, (
+            f"the CPU has no native bf16 instructions (no AVX-512 BF16, no AMX; torch runs {capability} "
+            "kernels), where bf16 runs ~30x slower than fp32"
+        )
     if not capability.startswith("AVX512"):
-        return False, f"the CPU has {' and '.join(native)}, but torch is pinned to {capability} kernels (ATEN_CPU_CAPABILITY)"
+        return (
+            False,
+            f"the CPU has {' and '.join(native)}, but torch is pinned to {capability} kernels (ATEN_CPU_CAPABILITY)",
+        )
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False, f"the CPU has {' and '.join(native)}, but oneDNN's bf16 kernels are off (ONEDNN_MAX_CPU_ISA)"
     return True, f"the CPU runs bf16 natively ({' and '.join(native)}, {capability} kernels)"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _log_once(level: int, message: str) -> None:
     log.log(level, message)
 
@@ -66,8 +71,10 @@ def resolve_dtype(name: str, device: torch.device, field: str = "model.dtype") -
         if dtype == torch.bfloat16 and device.type == "cpu":
             native, why = cpu_bf16()
             if not native:
-                _log_once(logging.WARNING, f"{field}=bfloat16 on a CPU without native bf16: {why}; "
-                                           f"`{field}=auto` would pick float32")
+                _log_once(
+                    logging.WARNING,
+                    f"{field}=bfloat16 on a CPU without native bf16: {why}; `{field}=auto` would pick float32",
+                )
         return dtype
     if device.type == "cuda":
         bf16 = torch.cuda.is_bf16_supported()

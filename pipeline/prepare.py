@@ -77,9 +77,21 @@ def run_prepare(cfg: RunConfig) -> Path:
             split_counts[split] += 1
             buffers[split].append(rec)
             flush(split)
-        for reason in ("not_utf8", "bad_json", "malformed", "unknown_schema", "empty", "empty_message", "bad_turn_order",
-                       "unsupported_role", "non_text_content", "duplicate_id", "template_error",
-                       "overlong_skipped", "no_supervised_tokens"):
+        for reason in (
+            "not_utf8",
+            "bad_json",
+            "malformed",
+            "unknown_schema",
+            "empty",
+            "empty_message",
+            "bad_turn_order",
+            "unsupported_role",
+            "non_text_content",
+            "duplicate_id",
+            "template_error",
+            "overlong_skipped",
+            "no_supervised_tokens",
+        ):
             if counts[reason]:
                 log.warning("%s: skipped %d records (%s)", src.name, counts[reason], reason)
     flush("train", force=True)
@@ -89,7 +101,9 @@ def run_prepare(cfg: RunConfig) -> Path:
     console.print(counts_table(f"prepare -> {out}", {k: dict(v) for k, v in per_source.items()}))
     if total_kept == 0:
         shutil.rmtree(work)
-        raise StageError(f"data.sources yielded no usable record (counts: {({k: dict(v) for k, v in per_source.items()})})")
+        raise StageError(
+            f"data.sources yielded no usable record (counts: { ({k: dict(v) for k, v in per_source.items()}) })"
+        )
 
     write_manifest(
         work,

@@ -24,7 +24,10 @@ def _prepared_matches(cfg: RunConfig) -> bool:
     if not path.is_file():
         return False
     recorded = json.loads(path.read_text()).get("config", {})
-    return recorded == {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json", by_alias=True)}
+    return recorded == {
+        "model": cfg.model.model_dump(mode="json"),
+        "data": cfg.data.model_dump(mode="json", by_alias=True),
+    }
 
 
 def _eval_matches(cfg: RunConfig) -> bool:
@@ -114,11 +117,15 @@ def run_all(cfg: RunConfig) -> Path:
                     if recorded == cfg.train.model_dump(mode="json") and not upstream_ran:
                         log.info("train: %s is complete for this config, skipped", out)
                         continue
-                    raise StageError(f"{out} holds a finished training run made with other settings or older data; "
-                                     "delete it (or use another run_dir) to retrain")
+                    raise StageError(
+                        f"{out} holds a finished training run made with other settings or older data; "
+                        "delete it (or use another run_dir) to retrain"
+                    )
                 todo.append(family)
-            resume = any((train_dir(cfg, f) / "checkpoints").is_dir() and any((train_dir(cfg, f) / "checkpoints").glob("step-*"))
-                         for f in todo)
+            resume = any(
+                (train_dir(cfg, f) / "checkpoints").is_dir() and any((train_dir(cfg, f) / "checkpoints").glob("step-*"))
+                for f in todo
+            )
             agreed()
             if not todo:
                 timings[stage] = "skipped"
@@ -141,7 +148,9 @@ def run_all(cfg: RunConfig) -> Path:
     if not main_process:
         return cfg.run_path
     console.rule("[bold]draftsmith run: done")
-    console.print("stages: " + ", ".join(f"{s} {t}" for s, t in timings.items()) + f"; total {total:.0f}s", highlight=False)
+    console.print(
+        "stages: " + ", ".join(f"{s} {t}" for s, t in timings.items()) + f"; total {total:.0f}s", highlight=False
+    )
     if budget is not None:
         from draftsmith.pipeline.budget import budget_table, record_actuals
 
@@ -155,6 +164,9 @@ def run_all(cfg: RunConfig) -> Path:
         console.rule("[bold]results: τ and speedup over plain decoding, per domain")
         console.print(markdown_table(json.loads(eval_json.read_text())), highlight=False)
         plots = sorted(p.name for p in (cfg.run_path / cfg.eval.output).glob("*.png"))
-        console.print(f"report: {cfg.run_path / cfg.eval.output / 'report.md'}" + (f"; plots: {', '.join(plots)}" if plots else ""),
-                      highlight=False)
+        console.print(
+            f"report: {cfg.run_path / cfg.eval.output / 'report.md'}"
+            + (f"; plots: {', '.join(plots)}" if plots else ""),
+            highlight=False,
+        )
     return cfg.run_path

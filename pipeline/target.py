@@ -156,6 +156,7 @@ def resolve_target(cfg: ModelConfig) -> TargetSpec:
 
 # ------------------------------------------------------------------------------------ device / dtype
 
+
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         # Under accelerate/torchrun each rank gets its own GPU (cuda:LOCAL_RANK); on CPU all share "cpu".
@@ -232,21 +233,29 @@ def sharding_mode(cfg: ModelConfig, spec: TargetSpec, shard: bool) -> str:
             raise TargetError(
                 f"model.device_map={cfg.device_map!r} spreads the target over every GPU this process sees, and this run "
                 f"has {world} processes that would all do so; run this stage as one process, or shard with "
-                f"model.zero3 / model.tp_size for online training (docs/scaling.md)")
+                f"model.zero3 / model.tp_size for online training (docs/scaling.md)"
+            )
         return "device_map"
     if tp == 1 and cfg.zero3 == "none":
         return "none"
     which = f"model.tp_size={tp}" if tp > 1 else f"model.zero3={cfg.zero3}"
     if not shard:
-        log.info("%s applies to online training only; this stage loads the whole target on each of its %d rank(s)", which, world)
+        log.info(
+            "%s applies to online training only; this stage loads the whole target on each of its %d rank(s)",
+            which,
+            world,
+        )
         return "none"
     if spec.gguf_file:
-        raise TargetError(f"{which} needs an HF safetensors target; {spec.name!r} is GGUF (convert it with transformers first)")
+        raise TargetError(
+            f"{which} needs an HF safetensors target; {spec.name!r} is GGUF (convert it with transformers first)"
+        )
     if tp > 1:
         if world != tp:
             raise TargetError(
                 f"model.tp_size={tp} needs exactly {tp} processes: transformers builds one tensor-parallel mesh over the "
-                f"whole world, and this run has {world}. Use model.zero3 to shard the target across data-parallel ranks")
+                f"whole world, and this run has {world}. Use model.zero3 to shard the target across data-parallel ranks"
+            )
         return "tp"
     if world == 1:
         log.info("%s with a single process: loading the whole target", which)
@@ -304,7 +313,9 @@ def _load_zero3(location: str, kwargs: dict[str, Any], ds_config: dict[str, Any]
     return model
 
 
-def load_model(cfg: ModelConfig, spec: TargetSpec | None = None, device: torch.device | None = None, shard: bool = False):
+def load_model(
+    cfg: ModelConfig, spec: TargetSpec | None = None, device: torch.device | None = None, shard: bool = False
+):
     """The frozen target in eval mode. `shard=True` (the online trainer) applies model.tp_size / model.zero3;
     model.device_map applies to any single-process stage."""
     from transformers import AutoModelForCausalLM
@@ -398,7 +409,10 @@ def load_head_weights(cfg: ModelConfig, model=None) -> tuple[Any, torch.Tensor, 
         root = Path(spec.location)
         index = root / "model.safetensors.index.json"
         where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-        wanted = {"embed": "model.embed_tokens.weight", "head": "model.embed_tokens.weight" if tied else "lm_head.weight"}
+        wanted = {
+            "embed": "model.embed_tokens.weight",
+            "head": "model.embed_tokens.weight" if tied else "lm_head.weight",
+        }
         found = {}
         for key, name in wanted.items():
             file = root / (where[name] if where and name in where else "model.safetensors")

@@ -23,10 +23,19 @@ CHATML_TEMPLATE = (
 )
 
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",  # ChatML / SmolLM2 / Qwen
-    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",  # Llama-3
-    "<s>", "</s>", "[INST]", "[/INST]",  # Mistral
-    "<think>", "</think>",  # Qwen3
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",  # ChatML / SmolLM2 / Qwen
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",  # Llama-3
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",  # Mistral
+    "<think>",
+    "</think>",  # Qwen3
 ]
 
 _WORDS = (

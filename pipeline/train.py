@@ -83,10 +83,14 @@ class AuxSubset:
     def __init__(self, source: FeatureSource, source_ids: list[int], wanted: list[int], hidden: int):
         missing = [i for i in wanted if i not in source_ids]
         if missing:
-            raise StageError(f"aux layers {missing} were not captured (the features hold {source_ids}); "
-                             "collect them with collect.aux_layer_ids")
+            raise StageError(
+                f"aux layers {missing} were not captured (the features hold {source_ids}); "
+                "collect them with collect.aux_layer_ids"
+            )
         self.source, self.meta, self.lengths = source, source.meta, source.lengths
-        self.columns = torch.cat([torch.arange(source_ids.index(i) * hidden, (source_ids.index(i) + 1) * hidden) for i in wanted])
+        self.columns = torch.cat(
+            [torch.arange(source_ids.index(i) * hidden, (source_ids.index(i) + 1) * hidden) for i in wanted]
+        )
 
     def tokens(self, i: int):
         return self.source.tokens(i)
@@ -103,21 +107,48 @@ def family_settings(cfg: RunConfig, family: str) -> dict[str, Any]:
     t = cfg.train
     if family == "eagle3":
         return {
-            "objective": ObjectiveSettings(t.ttt_steps, t.step_decay, t.loss, t.temperature, t.confidence_weight,
-                                           t.gradient_checkpointing),
-            "shape": dict(num_layers=t.num_layers, intermediate_size=t.intermediate_size,
-                          num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-                          head_dim=t.head_dim),
-            "aux": None, "lr": t.lr, "epochs": t.epochs, "max_steps": t.max_steps,
+            "objective": ObjectiveSettings(
+                t.ttt_steps, t.step_decay, t.loss, t.temperature, t.confidence_weight, t.gradient_checkpointing
+            ),
+            "shape": dict(
+                num_layers=t.num_layers,
+                intermediate_size=t.intermediate_size,
+                num_attention_heads=t.num_attention_heads,
+                num_key_value_heads=t.num_key_value_heads,
+                head_dim=t.head_dim,
+            ),
+            "aux": None,
+            "lr": t.lr,
+            "epochs": t.epochs,
+            "max_steps": t.max_steps,
         }
     d = t.dspark
     return {
-        "objective": DSparkObjectiveSettings(d.block_size, d.anchors_per_sequence, d.ce_weight, d.tv_weight, d.bce_weight,
-                                             d.decay, t.temperature, d.sample_markov_inputs, cfg.seed),
-        "shape": dict(num_layers=d.num_layers, intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
-                      num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, block_size=d.block_size,
-                      markov_rank=d.markov_rank, mask_token_id=d.mask_token_id),
-        "aux": d.aux_layer_ids, "lr": d.lr or t.lr, "epochs": d.epochs or t.epochs, "max_steps": d.max_steps or t.max_steps,
+        "objective": DSparkObjectiveSettings(
+            d.block_size,
+            d.anchors_per_sequence,
+            d.ce_weight,
+            d.tv_weight,
+            d.bce_weight,
+            d.decay,
+            t.temperature,
+            d.sample_markov_inputs,
+            cfg.seed,
+        ),
+        "shape": dict(
+            num_layers=d.num_layers,
+            intermediate_size=d.intermediate_size,
+            num_attention_heads=d.num_attention_heads,
+            num_key_value_heads=d.num_key_value_heads,
+            head_dim=d.head_dim,
+            block_size=d.block_size,
+            markov_rank=d.markov_rank,
+            mask_token_id=d.mask_token_id,
+        ),
+        "aux": d.aux_layer_ids,
+        "lr": d.lr or t.lr,
+        "epochs": d.epochs or t.epochs,
+        "max_steps": d.max_steps or t.max_steps,
     }
 
 
@@ -125,7 +156,9 @@ def train_dir(cfg: RunConfig, family: str) -> Path:
     return cfg.run_path / "train" / family
 
 
-def plan_epoch(source: FeatureSource, cfg: RunConfig, epoch: int, rank: int, world: int, split: str = "train") -> list[list[int]]:
+def plan_epoch(
+    source: FeatureSource, cfg: RunConfig, epoch: int, rank: int, world: int, split: str = "train"
+) -> list[list[int]]:
     return plan_batches(source, cfg.train.batch_tokens, split, cfg.seed, epoch, rank, world, shuffle=split == "train")
 
 
@@ -147,16 +180,21 @@ def _accelerator(cfg: RunConfig, out: Path):
     if ds_path:
         path = Path(ds_path)
         if not path.is_file():
-            raise StageError(f"DeepSpeed config {path} not found (train.deepspeed or the accelerate config's deepspeed_config_file)")
+            raise StageError(
+                f"DeepSpeed config {path} not found (train.deepspeed or the accelerate config's deepspeed_config_file)"
+            )
         ds_config = json.loads(path.read_text())
         # batches are variable-length token buckets, not a DataLoader accelerate could size "auto" fields from
         if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
             ds_config["train_micro_batch_size_per_gpu"] = 1
         if ds_config.get("train_batch_size", "auto") == "auto":
             world = int(os.environ.get("WORLD_SIZE", "1"))
-            ds_config["train_batch_size"] = ds_config["train_micro_batch_size_per_gpu"] * cfg.train.gradient_accumulation * world
+            ds_config["train_batch_size"] = (
+                ds_config["train_micro_batch_size_per_gpu"] * cfg.train.gradient_accumulation * world
+            )
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
-            hf_ds_config=ds_config, gradient_accumulation_steps=cfg.train.gradient_accumulation,
+            hf_ds_config=ds_config,
+            gradient_accumulation_steps=cfg.train.gradient_accumulation,
             gradient_clipping=cfg.train.max_grad_norm,
         )
         if not cuda:
@@ -170,8 +208,13 @@ def _accelerator(cfg: RunConfig, out: Path):
             os.environ["WANDB_MODE"] = "offline"
         kwargs["log_with"] = "wandb"
     # DeepSpeed brings its own accelerator (DS_ACCELERATOR=cpu on CPU); cpu=True would make accelerate drop it
-    return Accelerator(cpu=not cuda and not ds_path, mixed_precision=mp, gradient_accumulation_steps=cfg.train.gradient_accumulation,
-                       project_dir=str(out), **kwargs)
+    return Accelerator(
+        cpu=not cuda and not ds_path,
+        mixed_precision=mp,
+        gradient_accumulation_steps=cfg.train.gradient_accumulation,
+        project_dir=str(out),
+        **kwargs,
+    )
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -220,7 +263,12 @@ class Trainer:
         _, head, embed = load_head_weights(cfg.model, model=target_model)
         V = head.shape[0]
         if t.draft_vocab_size > V:
-            log.warning("train.draft_vocab_size=%d is larger than the target vocabulary (%d): using %d", t.draft_vocab_size, V, V)
+            log.warning(
+                "train.draft_vocab_size=%d is larger than the target vocabulary (%d): using %d",
+                t.draft_vocab_size,
+                V,
+                V,
+            )
         self.draft_vocab_size = min(t.draft_vocab_size, V)
         vocab_file = self.out / "vocab.safetensors"
         resuming = vocab_file.is_file()  # resume: the vocabulary is part of the run
@@ -244,8 +292,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         extra = {"head_weight": head} if family == "dspark" or t.init_head_from_target else {}
         try:
-            model = self.family.model_class.from_target(target_config, self.aux_ids, self.draft_vocab_size, embed, d2t, t2d,
-                                                        **extra, **fs["shape"])
+            model = self.family.model_class.from_target(
+                target_config, self.aux_ids, self.draft_vocab_size, embed, d2t, t2d, **extra, **fs["shape"]
+            )
         except ValueError as exc:
             raise StageError(f"train ({family}): {exc}") from None
         # the teacher (the target's lm_head over the final states) is computed in fp32 under any mixed precision
@@ -262,7 +311,8 @@ class Trainer:
 
         # accelerate steps the scheduler once per process per optimizer step; it expects totals x num_processes
         scheduler = get_cosine_schedule_with_warmup(
-            optimizer, int(t.warmup_ratio * self.total_steps) * acc.num_processes, self.total_steps * acc.num_processes)
+            optimizer, int(t.warmup_ratio * self.total_steps) * acc.num_processes, self.total_steps * acc.num_processes
+        )
         self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
         self.step = 0
         self.epoch = 0
@@ -278,7 +328,8 @@ class Trainer:
             raise StageError(
                 f"each optimizer step takes train.gradient_accumulation={t.gradient_accumulation} batches, and a rank gets "
                 f"only {batches} per epoch ({acc.num_processes} rank(s), train.batch_tokens={t.batch_tokens}): it would "
-                "never step; lower train.gradient_accumulation or train.batch_tokens, or use fewer ranks")
+                "never step; lower train.gradient_accumulation or train.batch_tokens, or use fewer ranks"
+            )
 
     # ------------------------------------------------------------------------------------ checkpoints
 
@@ -309,8 +360,13 @@ class Trainer:
         self.save_drafter(partial / "drafter")
         acc.wait_for_everyone()  # every rank has finished writing before the directory is renamed
         if acc.is_main_process:
-            state = {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "best": self.best,
-                     "history": self.history}
+            state = {
+                "step": self.step,
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "best": self.best,
+                "history": self.history,
+            }
             (partial / "trainer_state.json").write_text(json.dumps(state, indent=2))
             if final.exists():
                 shutil.rmtree(final)
@@ -333,7 +389,9 @@ class Trainer:
         state = json.loads((ckpt / "trainer_state.json").read_text())
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.best, self.history = state["best"], state["history"]
-        log.info("train: resumed from %s (step %d, epoch %d, batch %d)", ckpt, self.step, self.epoch, self.batch_in_epoch)
+        log.info(
+            "train: resumed from %s (step %d, epoch %d, batch %d)", ckpt, self.step, self.epoch, self.batch_in_epoch
+        )
         return True
 
     # ---------------------------------------------------------------------------------------- evaluation
@@ -366,9 +424,13 @@ class Trainer:
     def train(self) -> Path:
         cfg, t, acc = self.cfg, self.cfg.train, self.accelerator
         if t.report_to != "none":
-            acc.init_trackers(t.wandb_project, config=cfg.dump(), init_kwargs={"wandb": {"name": cfg.name, "dir": str(self.out)}})
+            acc.init_trackers(
+                t.wandb_project, config=cfg.dump(), init_kwargs={"wandb": {"name": cfg.name, "dir": str(self.out)}}
+            )
         self.model.train()
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", disable=not acc.is_main_process)
+        bar = tqdm(
+            total=self.total_steps, initial=self.step, desc="train", unit="step", disable=not acc.is_main_process
+        )
         window: dict[str, float] = {}
         started, window_start = time.perf_counter(), time.perf_counter()
         done = self.step >= self.total_steps
@@ -383,7 +445,9 @@ class Trainer:
                 batch["epoch"] = self.epoch  # families that sample per batch (DSpark anchors) re-draw per epoch
                 with acc.accumulate(self.model):
                     with acc.autocast():
-                        loss, stats = self.family.objective(self.model, batch, self.head_weight, self.settings, self.unwrapped())
+                        loss, stats = self.family.objective(
+                            self.model, batch, self.head_weight, self.settings, self.unwrapped()
+                        )
                     acc.backward(loss)
                     if acc.sync_gradients:
                         grad_norm = acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
@@ -427,7 +491,8 @@ class Trainer:
         s = summarize(totals, self.settings.steps)
         metrics = {
             "train/loss": totals["loss_total"] / max(totals["micro"], 1),
-            "train/tau_sim": s["tau"], "train/oov_frac": s["oov_frac"],
+            "train/tau_sim": s["tau"],
+            "train/oov_frac": s["oov_frac"],
             "train/tokens_per_s": totals["tokens"] / max(seconds, 1e-9),
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -438,20 +503,29 @@ class Trainer:
             metrics[f"train/accept_{i}"] = s[f"accept_{i}"]
         self.history.append({"step": self.step, **metrics})
         acc.log(metrics, step=self.step)
-        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc0=f"{s['acc_0']:.2f}", tau=f"{s['tau']:.2f}",
-                        tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+        bar.set_postfix(
+            loss=f"{metrics['train/loss']:.3f}",
+            acc0=f"{s['acc_0']:.2f}",
+            tau=f"{s['tau']:.2f}",
+            tok_s=f"{metrics['train/tokens_per_s']:.0f}",
+        )
 
     def _evaluate_and_keep_best(self) -> None:
         acc = self.accelerator
         s = self.evaluate()
         if not s:
             return
-        metrics = {f"holdout/{k}": v for k, v in s.items() if k == "tau" or k.split("_")[0] in ("acc", "accept", "conf")}
+        metrics = {
+            f"holdout/{k}": v for k, v in s.items() if k == "tau" or k.split("_")[0] in ("acc", "accept", "conf")
+        }
         self.history.append({"step": self.step, **metrics})
         acc.log(metrics, step=self.step)
         if acc.is_main_process:
-            console.print(f"step {self.step}: holdout τ_sim={s['tau']:.3f} acc_0={s['acc_0']:.3f} "
-                          f"accept_0={s['accept_0']:.3f} (OOV {s['oov_frac']:.1%})", highlight=False)
+            console.print(
+                f"step {self.step}: holdout τ_sim={s['tau']:.3f} acc_0={s['acc_0']:.3f} "
+                f"accept_0={s['accept_0']:.3f} (OOV {s['oov_frac']:.1%})",
+                highlight=False,
+            )
         if s["tau"] > self.best:
             self.best = s["tau"]
             self.save_drafter(self.out / ".best.partial")
@@ -479,7 +553,7 @@ class Trainer:
         head = self.head_weight.float()
         holdout = plan_epoch(self.source, self.cfg, 0, 0, 1, split="holdout")  # all of it, none left out
         parts = []
-        for indices in holdout[acc.process_index::acc.num_processes]:
+        for indices in holdout[acc.process_index :: acc.num_processes]:
             batch = self.source.load_batch(indices)
             parts.append(tuple(t.cpu() for t in dspark_calibration_data(model, batch, head, self.settings)))
         if acc.num_processes > 1:
@@ -499,12 +573,22 @@ class Trainer:
         raw = json.loads(cfg_path.read_text())
         raw["confidence_temperatures"] = temps
         atomic_write_text(cfg_path, json.dumps(raw, indent=2))
-        report = {"blocks": int(conf.shape[0]), "temperatures": temps, "survival_ece_before": before,
-                  "survival_ece_after": after, "bins": bins, "temperature": self.cfg.train.temperature,
-                  "ranks": acc.num_processes}
+        report = {
+            "blocks": int(conf.shape[0]),
+            "temperatures": temps,
+            "survival_ece_before": before,
+            "survival_ece_after": after,
+            "bins": bins,
+            "temperature": self.cfg.train.temperature,
+            "ranks": acc.num_processes,
+        }
         atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2))
-        console.print(f"calibrated {directory.name}/: survival ECE by position {['%.3f' % e for e in before]} -> "
-                      f"{['%.3f' % e for e in after]} ({conf.shape[0]} holdout blocks)", highlight=False, markup=False)
+        console.print(
+            f"calibrated {directory.name}/: survival ECE by position {[f'{e:.3f}' for e in before]} -> "
+            f"{[f'{e:.3f}' for e in after]} ({conf.shape[0]} holdout blocks)",
+            highlight=False,
+            markup=False,
+        )
 
     def _finish(self, seconds: float) -> Path:
         acc = self.accelerator
@@ -517,15 +601,29 @@ class Trainer:
         acc.wait_for_everyone()
         if acc.is_main_process:
             write_manifest(
-                self.out, "drafter", target=self.identity, drafter=self.family.name, aux_layer_ids=self.aux_ids,
-                draft_vocab_size=self.draft_vocab_size, steps=self.step, epochs_started=self.epoch + 1,
+                self.out,
+                "drafter",
+                target=self.identity,
+                drafter=self.family.name,
+                aux_layer_ids=self.aux_ids,
+                draft_vocab_size=self.draft_vocab_size,
+                steps=self.step,
+                epochs_started=self.epoch + 1,
                 best_holdout_tau=self.best if self.best > -math.inf else None,
-                config={"train": self.cfg.train.model_dump(mode="json")}, history=self.history,
-                calibration=_read_json(self.out / "best" / "calibration.json") or _read_json(self.out / "final" / "calibration.json"),
-                world_size=acc.num_processes, seconds=round(seconds, 1),
+                config={"train": self.cfg.train.model_dump(mode="json")},
+                history=self.history,
+                calibration=_read_json(self.out / "best" / "calibration.json")
+                or _read_json(self.out / "final" / "calibration.json"),
+                world_size=acc.num_processes,
+                seconds=round(seconds, 1),
             )
-            log.info("train: %d steps; final drafter in %s (best holdout τ_sim %.3f in %s)", self.step,
-                     self.out / "final", self.best, self.out / "best")
+            log.info(
+                "train: %d steps; final drafter in %s (best holdout τ_sim %.3f in %s)",
+                self.step,
+                self.out / "final",
+                self.best,
+                self.out / "best",
+            )
         acc.wait_for_everyone()
         return self.out
 
@@ -534,7 +632,9 @@ def _read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def trained_drafter(cfg: RunConfig, identity: dict[str, Any], explicit: str | None = None, family: str | None = None) -> Path:
+def trained_drafter(
+    cfg: RunConfig, identity: dict[str, Any], explicit: str | None = None, family: str | None = None
+) -> Path:
     """The drafter directory later stages use (an explicit one, else RUN_DIR/train/<family>/best, else final),
     refused when its training manifest says it was trained for another target."""
     from draftsmith.data.artifacts import ArtifactError, check_same_target, read_manifest
@@ -564,7 +664,9 @@ def run_train(cfg: RunConfig, resume: bool = False, families: list[str] | None =
             if resume:
                 log.info("train: %s is finished, skipped", out)
                 continue
-            raise StageError(f"{out} already holds a finished training run; use another run_dir, delete it, or pass --resume")
+            raise StageError(
+                f"{out} already holds a finished training run; use another run_dir, delete it, or pass --resume"
+            )
         if not resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*")):
             raise StageError(f"{out} holds checkpoints of an unfinished run; pass --resume to continue it")
     for family in families:

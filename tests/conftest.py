@@ -39,10 +39,19 @@ def _isolated_cache(tmp_path, monkeypatch):
 
 
 def _arithmetic_chats(n: int) -> list[dict]:
-    return [{"id": f"q{i}", "messages": [
-        {"role": "user", "content": f"Question {i}: what is {i} plus one?"},
-        {"role": "assistant", "content": f"The answer is {i + 1}. Because math is the sum of numbers and time."}]}
-        for i in range(n)]
+    return [
+        {
+            "id": f"q{i}",
+            "messages": [
+                {"role": "user", "content": f"Question {i}: what is {i} plus one?"},
+                {
+                    "role": "assistant",
+                    "content": f"The answer is {i + 1}. Because math is the sum of numbers and time.",
+                },
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,20 @@ end-of-turn token or that also covers the "\\n" written after it fails.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from draftsmith.data.chat import ChatTemplateError, end_of_turn, prompt_ids, render, stop_token_ids, tokenize_conversation
+from draftsmith.data.chat import (
+    ChatTemplateError,
+    end_of_turn,
+    prompt_ids,
+    render,
+    stop_token_ids,
+    tokenize_conversation,
+)
 
 # ------------------------------------------------------------------------------------------ templates
 
@@ -294,8 +302,6 @@ def _assistant_turns(messages) -> list[tuple[int, dict[str, Any], bool]]:
     return [(i, m, i == len(messages) - 1) for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
-
-
 # ------------------------------------------------------------------------------------------ tests
 
 
@@ -339,7 +345,9 @@ def test_masked_runs_are_exactly_the_assistant_turns(fam, key, request):
         assert out.input_ids[end - 1] == eot_id
         assert eot_id not in out.input_ids[start : end - 1]
         # the masked ids are the template text's own tokenization, piece by piece
-        assert out.input_ids[start : end - 1] == tok(fam.shown(m["content"], last), add_special_tokens=False)["input_ids"]
+        assert (
+            out.input_ids[start : end - 1] == tok(fam.shown(m["content"], last), add_special_tokens=False)["input_ids"]
+        )
     # the unmasked tokens never contain an end-of-turn token that belongs to an assistant turn: what is left
     # between runs decodes to exactly the template's own text
     full = tok.apply_chat_template(msgs, tokenize=False)
@@ -588,7 +596,7 @@ def test_qwen3_final_turn_leading_newline():
     full = tok.apply_chat_template(msgs, tokenize=False)
     assert full == "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>\n"
     out = tokenize_conversation(tok, msgs)
-    (start, end), = _runs(out.loss_mask)
+    ((start, end),) = _runs(out.loss_mask)
     assert _decode(tok, out.input_ids[start:end]) == "A<|im_end|>"
     msgs[1]["token_ids"] = tok("A", add_special_tokens=False)["input_ids"]
     out = tokenize_conversation(tok, msgs)
@@ -600,7 +608,7 @@ def test_qwen3_final_turn_content_inside_think_block(content):
     tok = _make_family("qwen3").tok
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": content}]
     out = tokenize_conversation(tok, msgs)
-    (start, end), = _runs(out.loss_mask)
+    ((start, end),) = _runs(out.loss_mask)
     assert _decode(tok, out.input_ids[start:end]) == content.lstrip("\n") + "<|im_end|>"
     assert _decode(tok, out.input_ids) == tok.apply_chat_template(msgs, tokenize=False)
 
@@ -610,5 +618,5 @@ def test_llama3_whitespace_only_turn(content):
     tok = _make_family("llama3").tok
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": content}]
     out = tokenize_conversation(tok, msgs)
-    (start, end), = _runs(out.loss_mask)
+    ((start, end),) = _runs(out.loss_mask)
     assert _decode(tok, out.input_ids[start:end]) == "<|eot_id|>"

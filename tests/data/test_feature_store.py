@@ -11,8 +11,15 @@ from draftsmith.data.feature_store import FeatureStore, ShardWriter, is_done, pa
 
 def _samples(lengths, H=4):
     g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.uint8),
-             "aux": torch.randn(n, 3 * H, generator=g), "final": torch.randn(n, H, generator=g)} for n in lengths]
+    return [
+        {
+            "input_ids": torch.arange(n),
+            "loss_mask": torch.ones(n, dtype=torch.uint8),
+            "aux": torch.randn(n, 3 * H, generator=g),
+            "final": torch.randn(n, H, generator=g),
+        }
+        for n in lengths
+    ]
 
 
 def _store(tmp_path, lengths=(3, 5, 2)):
@@ -22,7 +29,15 @@ def _store(tmp_path, lengths=(3, 5, 2)):
     w.submit(0, pack_shard(samples), meta, {"shard": 0, "samples": len(lengths), "tokens": sum(lengths)})
     w.close()
     entry = json.loads((tmp_path / shard_name(0)).with_suffix(".json").read_text())
-    write_manifest(tmp_path, "features", target={"name": "t"}, aux_layer_ids=[1, 2, 3], hidden_size=4, dtype="float32", shards=[entry])
+    write_manifest(
+        tmp_path,
+        "features",
+        target={"name": "t"},
+        aux_layer_ids=[1, 2, 3],
+        hidden_size=4,
+        dtype="float32",
+        shards=[entry],
+    )
     return samples
 
 

@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from draftsmith.data.features import (
-    FeatureCapture, FeatureError, default_aux_ids, length_batches, resolve_aux_ids, right_pad, shard_for_rank,
+    FeatureCapture,
+    FeatureError,
+    default_aux_ids,
+    length_batches,
+    resolve_aux_ids,
+    right_pad,
+    shard_for_rank,
 )
 from draftsmith.pipeline.tiny import tiny_llama
 
@@ -23,7 +29,7 @@ def test_capture_equals_hf_hidden_states(model, aux_ids):
     H = model.config.hidden_size
     assert aux.shape == (3, 17, len(aux_ids) * H) and final.shape == (3, 17, H)
     for j, i in enumerate(aux_ids):
-        assert torch.equal(aux[..., j * H:(j + 1) * H], ref.hidden_states[i]), f"aux id {i}"
+        assert torch.equal(aux[..., j * H : (j + 1) * H], ref.hidden_states[i]), f"aux id {i}"
     assert torch.equal(final, ref.hidden_states[-1])
     # the teacher is exactly recomputable from the final normed state
     with torch.no_grad():

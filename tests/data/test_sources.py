@@ -9,13 +9,30 @@ from draftsmith.data.sources import SourceError, iter_conversations
 from draftsmith.pipeline.config import SourceConfig
 
 GOOD = [
-    {"id": "m1", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                              {"role": "assistant", "content": "Hello!"}]},
-    {"id": "s1", "conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"},
-                                   {"from": "human", "value": "Q2"}]},
+    {
+        "id": "m1",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+        ],
+    },
+    {
+        "id": "s1",
+        "conversations": [
+            {"from": "human", "value": "Q1"},
+            {"from": "gpt", "value": "A1"},
+            {"from": "human", "value": "Q2"},
+        ],
+    },
     {"id": "p1", "prompt": "Write a haiku.", "category": "poetry"},
-    {"id": "m2", "messages": [{"role": "user", "content": [{"type": "text", "text": "part one, "}, {"type": "text", "text": "part two"}]},
-                              {"role": "assistant", "content": "ok"}]},
+    {
+        "id": "m2",
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "part one, "}, {"type": "text", "text": "part two"}]},
+            {"role": "assistant", "content": "ok"},
+        ],
+    },
 ]
 BAD = [
     ({"id": "x1", "messages": [{"role": "assistant", "content": "starts with assistant"}]}, "bad_turn_order"),
@@ -23,7 +40,10 @@ BAD = [
     ({"id": "x3", "messages": []}, "empty"),
     ({"id": "x4", "text": "no schema"}, "unknown_schema"),
     ({"id": "x5", "messages": [{"role": "tool", "content": "{}"}]}, "unsupported_role"),
-    ({"id": "x6", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}, "non_text_content"),
+    (
+        {"id": "x6", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]},
+        "non_text_content",
+    ),
     ({"id": "x7", "conversations": [{"from": "human"}]}, "malformed"),
     ({"id": "m1", "prompt": "same id as the first record"}, "duplicate_id"),
 ]
@@ -47,8 +67,16 @@ def test_three_schemas_normalize_to_one(tmp_path):
     assert [m["role"] for m in m1] == ["system", "user", "assistant"] and m1[2]["content"] == "Hello!"
     # ShareGPT roles mapped, and a trailing user turn gets a pending assistant turn
     s1 = convs["mix:s1"]["messages"]
-    assert [(m["role"], m["content"]) for m in s1] == [("user", "Q1"), ("assistant", "A1"), ("user", "Q2"), ("assistant", None)]
-    assert convs["mix:p1"]["messages"] == [{"role": "user", "content": "Write a haiku."}, {"role": "assistant", "content": None}]
+    assert [(m["role"], m["content"]) for m in s1] == [
+        ("user", "Q1"),
+        ("assistant", "A1"),
+        ("user", "Q2"),
+        ("assistant", None),
+    ]
+    assert convs["mix:p1"]["messages"] == [
+        {"role": "user", "content": "Write a haiku."},
+        {"role": "assistant", "content": None},
+    ]
     assert convs["mix:p1"]["domain"] == "poetry" and convs["mix:m1"]["domain"] == "mix"
     assert convs["mix:m2"]["messages"][0]["content"] == "part one, part two"
 
@@ -78,7 +106,9 @@ def test_json_and_parquet_files(tmp_path, fmt):
         path = tmp_path / "d.json"
         path.write_text(json.dumps(records if fmt == "json" else {"data": records}))
     counts = Counter()
-    convs = list(iter_conversations(SourceConfig(path=str(path), schema="prompt", domain_field="topic", limit=4), counts))
+    convs = list(
+        iter_conversations(SourceConfig(path=str(path), schema="prompt", domain_field="topic", limit=4), counts)
+    )
     assert [c["id"] for c in convs] == ["d:r0", "d:r1", "d:r2", "d:r3"]
     assert [c["domain"] for c in convs] == ["code", "math", "code", "math"]
 
@@ -104,7 +134,9 @@ def test_builtin_mtbench_has_80_questions_in_8_categories():
     convs = list(iter_conversations(SourceConfig(builtin="mtbench"), counts))
     assert len(convs) == 80
     domains = Counter(c["domain"] for c in convs)
-    assert sorted(domains) == sorted(["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"])
+    assert sorted(domains) == sorted(
+        ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+    )
     assert set(domains.values()) == {10}
     # two user turns, each followed by a pending assistant turn
     assert all([m["role"] for m in c["messages"]] == ["user", "assistant", "user", "assistant"] for c in convs)
@@ -132,8 +164,10 @@ def test_lines_that_are_not_utf8_are_counted_skips_named_by_line_and_offset(tmp_
     assert [c["id"].split(":")[-1] for c in kept] == ["m1", "s1"]
     assert counts["not_utf8"] == 2 and counts["bad_json"] == 0
     offset = 3 + len(good[0]) + latin1.index(b"\xe9")
-    assert any(f"line 2 is not UTF-8 (byte offset {offset}" in r.getMessage() and str(path) in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any(
+        f"line 2 is not UTF-8 (byte offset {offset}" in r.getMessage() and str(path) in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
 
 
 def test_a_json_file_that_is_not_utf8_is_a_named_error(tmp_path):

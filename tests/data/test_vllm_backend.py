@@ -25,8 +25,10 @@ def _fake_vllm(monkeypatch, outputs):
 
         def generate(self, requests, params, use_tqdm=True):
             calls["requests"], calls["params"] = requests, params
-            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, finish_reason=fr)])
-                    for ids, fr in outputs]
+            return [
+                types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, finish_reason=fr)])
+                for ids, fr in outputs
+            ]
 
     mod.LLM, mod.SamplingParams = LLM, _FakeParams
     monkeypatch.setitem(sys.modules, "vllm", mod)

@@ -16,9 +16,21 @@ V, D, H, HT = 97, 41, 32, 24
 
 def _drafter(num_layers=2, markov_rank=16, dtype=torch.float64, seed=0, block_size=4):
     torch.manual_seed(seed)
-    cfg = DSparkConfig(vocab_size=V, draft_vocab_size=D, hidden_size=H, target_hidden_size=HT, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, intermediate_size=64, aux_layer_ids=[1, 2, 3], mask_token_id=V - 1,
-                       block_size=block_size, num_layers=num_layers, markov_rank=markov_rank)
+    cfg = DSparkConfig(
+        vocab_size=V,
+        draft_vocab_size=D,
+        hidden_size=H,
+        target_hidden_size=HT,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        aux_layer_ids=[1, 2, 3],
+        mask_token_id=V - 1,
+        block_size=block_size,
+        num_layers=num_layers,
+        markov_rank=markov_rank,
+    )
     model = DSparkDrafter(cfg).to(dtype).eval()
     d2t, t2d = select_draft_vocab(torch.rand(V), D)
     with torch.no_grad():
@@ -49,8 +61,8 @@ def test_packed_multi_anchor_forward_equals_one_anchor_inference(variant):
         for a, p in enumerate(anchors[b].tolist()):
             cache = model.new_cache()
             if p > 0:
-                model.extend_context(cache, aux[b:b + 1, :p], torch.arange(p).unsqueeze(0))
-            h, base = model.draft_block(cache, ids[b:b + 1, p], torch.tensor([p]))
+                model.extend_context(cache, aux[b : b + 1, :p], torch.arange(p).unsqueeze(0))
+            h, base = model.draft_block(cache, ids[b : b + 1, p], torch.tensor([p]))
             for k in range(G):
                 x_prev = ids[b, min(p + k, T - 1)]  # teacher-forced previous token (the anchor for k = 0)
                 lk, ck = model.heads(h[:, k], x_prev.view(1), base[:, k])
@@ -132,9 +144,14 @@ def _batch(B=2, T=20, seed=0):
     g = torch.Generator().manual_seed(seed)
     mask = torch.zeros(B, T, dtype=torch.uint8)
     mask[:, 6:] = 1
-    return {"input_ids": torch.randint(0, V - 1, (B, T), generator=g), "loss_mask": mask,
-            "attention_mask": torch.ones(B, T, dtype=torch.bool), "aux": torch.randn(B, T, 3 * HT, generator=g),
-            "final": torch.randn(B, T, H, generator=g), "ids": [f"s{i}" for i in range(B)]}
+    return {
+        "input_ids": torch.randint(0, V - 1, (B, T), generator=g),
+        "loss_mask": mask,
+        "attention_mask": torch.ones(B, T, dtype=torch.bool),
+        "aux": torch.randn(B, T, 3 * HT, generator=g),
+        "final": torch.randn(B, T, H, generator=g),
+        "ids": [f"s{i}" for i in range(B)],
+    }
 
 
 def test_anchors_are_supervised_positions_redrawn_per_epoch_and_reproducible():
@@ -174,6 +191,7 @@ def test_objective_trains_and_reports_per_slot_statistics():
 def test_sequential_temperature_scaling_lowers_heldout_ece():
     """Confidences that are systematically over-confident (logits 3x too large) get temperatures > 1 and a lower
     survival ECE on fresh data from the same process."""
+
     def make(n, seed):
         g = torch.Generator().manual_seed(seed)
         true_logit = torch.randn(n, 5, generator=g, dtype=torch.float64) + 1.0
@@ -204,11 +222,18 @@ def test_sampled_markov_inputs_supervise_a_slot_only_while_its_conditioning_matc
     with torch.no_grad():
         _, _, _, valid_forced, _ = _dspark_forward(model, batch, head, forced, model)
         logits, _, _, valid, _ = _dspark_forward(model, batch, head, sampled, model)
-        _, _, prev = model(batch["aux"], batch["input_ids"], batch["attention_mask"],
-                           sample_anchors(batch["loss_mask"], batch["attention_mask"], batch["ids"], 6, 0, 0)[0], 0.0)
+        _, _, prev = model(
+            batch["aux"],
+            batch["input_ids"],
+            batch["attention_mask"],
+            sample_anchors(batch["loss_mask"], batch["attention_mask"], batch["ids"], 6, 0, 0)[0],
+            0.0,
+        )
     G = 4
     anchors, _ = sample_anchors(batch["loss_mask"], batch["attention_mask"], batch["ids"], 6, 0, 0)
-    data_prev = batch["input_ids"].gather(1, (anchors[..., None] + torch.arange(G)).clamp_max(19).view(2, -1)).view(2, -1, G)
+    data_prev = (
+        batch["input_ids"].gather(1, (anchors[..., None] + torch.arange(G)).clamp_max(19).view(2, -1)).view(2, -1, G)
+    )
     matches = (prev == data_prev).long().cumprod(-1).bool().view(2, -1)
     assert valid_forced.view(2, -1, G)[..., 1:].any()  # teacher-forced: later slots are supervised
     assert torch.equal(valid, valid_forced & matches)  # sampled: only while every earlier sample was the data token

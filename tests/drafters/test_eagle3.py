@@ -8,9 +8,19 @@ from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
 def _drafter(num_layers=1, norm_before_residual=False, dtype=torch.float64, seed=0):
     torch.manual_seed(seed)
-    cfg = Eagle3Config(vocab_size=97, draft_vocab_size=41, hidden_size=32, target_hidden_size=24,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                       aux_layer_ids=[1, 2, 3], num_layers=num_layers, norm_before_residual=norm_before_residual)
+    cfg = Eagle3Config(
+        vocab_size=97,
+        draft_vocab_size=41,
+        hidden_size=32,
+        target_hidden_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        aux_layer_ids=[1, 2, 3],
+        num_layers=num_layers,
+        norm_before_residual=norm_before_residual,
+    )
     model = Eagle3Drafter(cfg).to(dtype).eval()
     with torch.no_grad():  # non-trivial norms so a wrong normalization path cannot hide
         for name, p in model.named_parameters():
@@ -35,17 +45,23 @@ def test_ttt_step_i_equals_cached_autoregressive_drafting(steps, variant):
         for t in range(T - 1):
             cache = model.new_cache()
             # the context: step-0 entries for slots 0..t, built from target features, in one cached call
-            logits, conf, hidden = model.decode(aux[b:b + 1, :t + 1], ids[b:b + 1, 1:t + 2],
-                                                torch.arange(t + 1).unsqueeze(0), cache, from_target=True)
+            logits, conf, hidden = model.decode(
+                aux[b : b + 1, : t + 1],
+                ids[b : b + 1, 1 : t + 2],
+                torch.arange(t + 1).unsqueeze(0),
+                cache,
+                from_target=True,
+            )
             torch.testing.assert_close(logits[0, t], outs[0][0][b, t], rtol=0, atol=1e-10)
             torch.testing.assert_close(conf[0, t], outs[0][1][b, t], rtol=0, atol=1e-10)
-            h = hidden[:, t:t + 1]
+            h = hidden[:, t : t + 1]
             for i in range(1, steps):
                 if t + 1 + i >= T:
                     break
                 # step i: the drafter's own previous hidden state and the next token, at position t+i
-                logits, conf, h = model.decode(h, ids[b:b + 1, t + 1 + i:t + 2 + i], torch.tensor([[t + i]]), cache,
-                                               from_target=False)
+                logits, conf, h = model.decode(
+                    h, ids[b : b + 1, t + 1 + i : t + 2 + i], torch.tensor([[t + i]]), cache, from_target=False
+                )
                 torch.testing.assert_close(logits[0, 0], outs[i][0][b, t], rtol=0, atol=1e-10)
                 torch.testing.assert_close(conf[0, 0], outs[i][1][b, t], rtol=0, atol=1e-10)
                 checked += 1
@@ -93,8 +109,16 @@ def test_save_and_load_round_trip(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(v, again.state_dict()[k]), k
     names = set(again.state_dict())
-    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight",
-            "norm.weight", "d2t", "t2d", "embed_tokens.weight"} <= names
+    assert {
+        "fc.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "lm_head.weight",
+        "norm.weight",
+        "d2t",
+        "t2d",
+        "embed_tokens.weight",
+    } <= names
     assert again.midlayer.self_attn.q_proj.weight.shape == (4 * 8, 2 * 32)  # layer 0 takes 2H
 
 
@@ -103,8 +127,17 @@ def test_lm_head_starts_from_the_targets_rows_of_the_draft_vocab():
 
     from draftsmith.drafters.vocab import draft_to_target_ids, select_draft_vocab
 
-    tcfg = SimpleNamespace(vocab_size=97, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                           intermediate_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128)
+    tcfg = SimpleNamespace(
+        vocab_size=97,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+    )
     d2t, t2d = select_draft_vocab(torch.rand(97), 41)
     embed, head = torch.randn(97, 32), torch.randn(97, 32)
     fresh = Eagle3Drafter.from_target(tcfg, [1, 2, 3], 41, embed, d2t, t2d)
@@ -126,7 +159,7 @@ class _PerfectDrafter(torch.nn.Module):
         T = self.logp.shape[1]
         outs = []
         for i in range(steps):
-            shifted = torch.cat([self.logp[:, 1 + i:], self.logp[:, :1 + i].flip(1)], dim=1)[:, :T]
+            shifted = torch.cat([self.logp[:, 1 + i :], self.logp[:, : 1 + i].flip(1)], dim=1)[:, :T]
             outs.append((shifted, torch.zeros(shifted.shape[:2])))
         return outs
 
@@ -145,8 +178,13 @@ def test_the_objectives_offsets_slot_t_at_step_i_predicts_token_t_plus_2_plus_i(
     loss_mask = torch.zeros(B, T, dtype=torch.uint8)
     loss_mask[0, 4:10] = 1
     loss_mask[1, 2:12] = 1
-    batch = {"input_ids": torch.randint(0, V, (B, T), generator=g), "loss_mask": loss_mask,
-             "attention_mask": torch.ones(B, T, dtype=torch.bool), "aux": torch.zeros(B, T, 3), "final": final}
+    batch = {
+        "input_ids": torch.randint(0, V, (B, T), generator=g),
+        "loss_mask": loss_mask,
+        "attention_mask": torch.ones(B, T, dtype=torch.bool),
+        "aux": torch.zeros(B, T, 3),
+        "final": final,
+    }
     teacher = teacher_from_final(final, head, torch.arange(V), 1.0)
     model = _PerfectDrafter(teacher.probs.log(), V)
     s = ObjectiveSettings(steps=steps, temperature=1.0, confidence_weight=0.0)
@@ -155,6 +193,10 @@ def test_the_objectives_offsets_slot_t_at_step_i_predicts_token_t_plus_2_plus_i(
         expected_n = sum(int(loss_mask[b, t + 2 + i]) for b in range(B) for t in range(T - 2 - i))
         assert stats[f"n_{i}"] == expected_n, i
         assert stats[f"acc_{i}"] == stats[f"n_{i}"], i  # every counted slot predicts its token's teacher argmax
-        entropy = sum(float(-(teacher.probs[b, t + 1 + i] * teacher.probs[b, t + 1 + i].log()).sum())
-                      for b in range(B) for t in range(T - 2 - i) if loss_mask[b, t + 2 + i])
+        entropy = sum(
+            float(-(teacher.probs[b, t + 1 + i] * teacher.probs[b, t + 1 + i].log()).sum())
+            for b in range(B)
+            for t in range(T - 2 - i)
+            if loss_mask[b, t + 2 + i]
+        )
         assert abs(float(stats[f"loss_{i}"]) - entropy) < 1e-6, i

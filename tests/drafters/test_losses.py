@@ -25,14 +25,19 @@ def test_tv_and_accept_are_the_full_vocabulary_acceptance():
         # the renormalized soft labels would overstate acceptance by the mass outside the draft vocab
         assert (teacher.exact.sum(-1) < 0.9).any()
         torch.testing.assert_close(position_losses(logits, teacher, "tv", temperature), 1 - alpha, rtol=0, atol=1e-6)
-        torch.testing.assert_close(position_losses(logits, teacher, "accept", temperature), -torch.log(alpha.clamp_min(1e-9)),
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            position_losses(logits, teacher, "accept", temperature),
+            -torch.log(alpha.clamp_min(1e-9)),
+            rtol=0,
+            atol=1e-5,
+        )
         # and tv is the total variation over the full vocabulary
         p = torch.softmax(final @ head.T / temperature, -1)
         q = torch.zeros_like(p)
         q[..., draft_ids] = torch.softmax(logits / temperature, -1)
-        torch.testing.assert_close(position_losses(logits, teacher, "tv", temperature), 0.5 * (p - q).abs().sum(-1),
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            position_losses(logits, teacher, "tv", temperature), 0.5 * (p - q).abs().sum(-1), rtol=0, atol=1e-5
+        )
 
 
 def test_the_teacher_is_fp32_inside_a_bf16_autocast_region():

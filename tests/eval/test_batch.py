@@ -22,7 +22,7 @@ def plain_greedy(model, prompt, n, stops=()):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
             if ids[-1] in stops:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _eagle3(model):
@@ -31,7 +31,9 @@ def _eagle3(model):
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 200)
-    return Eagle3Drafter.from_target(model.config, [1, 2, 4], 200, model.get_input_embeddings().weight, d2t, t2d).double()
+    return Eagle3Drafter.from_target(
+        model.config, [1, 2, 4], 200, model.get_input_embeddings().weight, d2t, t2d
+    ).double()
 
 
 def _dspark(model):
@@ -44,8 +46,10 @@ def _dspark(model):
 def test_batched_greedy_equals_plain_greedy(tiny64, kind):
     g = torch.Generator().manual_seed(7)
     # repetitive prompts make prompt lookup accept long runs in some rows and nothing in others
-    prompts = [torch.randint(5, 380, (int(torch.randint(2, 15, (1,), generator=g)),), generator=g).tolist() * (1 + i % 2)
-               for i in range(5)]
+    prompts = [
+        torch.randint(5, 380, (int(torch.randint(2, 15, (1,), generator=g)),), generator=g).tolist() * (1 + i % 2)
+        for i in range(5)
+    ]
     drafter = {"eagle3": _eagle3, "dspark": _dspark}[kind](tiny64) if kind in ("eagle3", "dspark") else None
     stops = [7, 11]
     results = decode_batch(tiny64, prompts, kind, SamplingParams(), 4, 24, stops, drafter=drafter)
@@ -55,7 +59,9 @@ def test_batched_greedy_equals_plain_greedy(tiny64, kind):
     if kind == "none":
         assert all(r.tau == 1.0 for r in results if r.rounds)
     if kind == "prompt_lookup":  # rows drafted different numbers of tokens in the same rounds (ragged batches)
-        assert len({tuple(d for d, _ in r.rounds) for r in results}) > 1 and any(d for r in results for d, _ in r.rounds)
+        assert len({tuple(d for d, _ in r.rounds) for r in results}) > 1 and any(
+            d for r in results for d, _ in r.rounds
+        )
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dspark"])
@@ -69,7 +75,9 @@ def test_batched_matches_unbatched_acceptance(tiny64, kind, threshold):
 
     drafter = {"eagle3": _eagle3, "dspark": _dspark}[kind](tiny64)
     prompts = [[5, 6, 7, 8, 9], [40, 41], [100, 101, 102, 100, 101, 102, 100]]
-    batched = decode_batch(tiny64, prompts, kind, SamplingParams(), 3, 15, drafter=drafter, confidence_threshold=threshold)
+    batched = decode_batch(
+        tiny64, prompts, kind, SamplingParams(), 3, 15, drafter=drafter, confidence_threshold=threshold
+    )
     for p, rb in zip(prompts, batched):
         proposer = PROPOSERS[kind](drafter, threshold, **({"draft_length": 3} if kind == "dspark" else {}))
         r1 = decode(HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids), proposer, p, SamplingParams(), 3, 15)
@@ -92,8 +100,16 @@ def test_adaptive_lengths_keep_drafts_while_the_running_confidence_holds():
 
 def test_batched_sampling_runs(tiny64):
     gen = torch.Generator().manual_seed(0)
-    res = decode_batch(tiny64, [[5, 6, 7], [9, 10, 11, 12, 13]], "eagle3", SamplingParams(1.0), 3, 20, generator=gen,
-                       drafter=_eagle3(tiny64))
+    res = decode_batch(
+        tiny64,
+        [[5, 6, 7], [9, 10, 11, 12, 13]],
+        "eagle3",
+        SamplingParams(1.0),
+        3,
+        20,
+        generator=gen,
+        drafter=_eagle3(tiny64),
+    )
     assert [len(r.tokens) for r in res] == [20, 20] and all(1 <= r.tau <= 4 for r in res)
 
 
@@ -114,13 +130,13 @@ def test_batched_dspark_drafts_what_each_row_drafts_alone(tiny64):
     feats = torch.randn(3, P, width, generator=g, dtype=torch.float64)
     valid = torch.zeros(3, P, dtype=torch.bool)
     for b, p in enumerate(prompts):
-        valid[b, P - len(p):] = True
+        valid[b, P - len(p) :] = True
         feats[b, : P - len(p)] = 1e3  # padding: would swamp a row that attended to it
     batched = BatchedDSpark(drafter)
     batched.start(prompts, firsts, feats, valid)
     singles = [DSparkProposer(drafter, draft_length=3) for _ in prompts]
     for b, p in enumerate(prompts):
-        singles[b].start(p, firsts[b], feats[b, P - len(p):])
+        singles[b].start(p, firsts[b], feats[b, P - len(p) :])
     for accepted in accepted_by_round:
         drafts, q, confs = batched.propose(3, SamplingParams(), None)
         assert q is None and drafts.shape == (3, 3)
@@ -131,6 +147,6 @@ def test_batched_dspark_drafts_what_each_row_drafts_alone(tiny64):
             assert d == drafts[b].tolist()
             torch.testing.assert_close(torch.tensor(c, dtype=torch.float64), confs[b], rtol=0, atol=1e-12)
             n = accepted[b]
-            round_feats[b, n + 1:] = 1e3  # unverified slots: must stay holes
+            round_feats[b, n + 1 :] = 1e3  # unverified slots: must stay holes
             singles[b].commit(d, n, news[b], round_feats[b, : n + 1])
         batched.commit(drafts, accepted, news, round_feats)

@@ -14,7 +14,7 @@ from draftsmith.eval.engine import decode
 from draftsmith.eval.proposers import DSparkProposer
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams
-from tests.eval.test_exactness import P, BigramTarget, chi_square_pvalue, plain_greedy, tiny64  # noqa: F401
+from tests.eval.test_exactness import BigramTarget, P, chi_square_pvalue, plain_greedy, tiny64  # noqa: F401
 
 
 class FeatureBigramTarget(BigramTarget):
@@ -22,7 +22,9 @@ class FeatureBigramTarget(BigramTarget):
 
     def __init__(self, table, width, seed=0):
         super().__init__(table)
-        self.feats = torch.randn(table.shape[0], width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        self.feats = torch.randn(
+            table.shape[0], width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+        )
 
     def step(self, tokens):
         logp, _ = super().step(tokens)
@@ -31,9 +33,21 @@ class FeatureBigramTarget(BigramTarget):
 
 def _tiny_dspark(vocab=3, draft_vocab=3, hidden=16, aux=(1, 2, 3), target_hidden=8, block=3, seed=0):
     torch.manual_seed(seed)
-    cfg = DSparkConfig(vocab_size=vocab, draft_vocab_size=draft_vocab, hidden_size=hidden, target_hidden_size=target_hidden,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                       aux_layer_ids=list(aux), mask_token_id=vocab - 1, block_size=block, num_layers=2, markov_rank=4)
+    cfg = DSparkConfig(
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        hidden_size=hidden,
+        target_hidden_size=target_hidden,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        aux_layer_ids=list(aux),
+        mask_token_id=vocab - 1,
+        block_size=block,
+        num_layers=2,
+        markov_rank=4,
+    )
     model = DSparkDrafter(cfg).double().eval()
     d2t, t2d = select_draft_vocab(torch.arange(vocab).flip(0).float(), draft_vocab)
     with torch.no_grad():
@@ -106,8 +120,15 @@ def test_adaptive_length_uses_only_earlier_positions():
     target = FeatureBigramTarget(P, 3 * 8)
     gen = torch.Generator().manual_seed(1)
     full = decode(target, DSparkProposer(drafter), [0], SamplingParams(temperature=1.0), 3, 40, generator=gen)
-    short = decode(target, DSparkProposer(drafter, confidence_threshold=0.6), [0], SamplingParams(temperature=1.0), 3, 40,
-                   generator=gen)
+    short = decode(
+        target,
+        DSparkProposer(drafter, confidence_threshold=0.6),
+        [0],
+        SamplingParams(temperature=1.0),
+        3,
+        40,
+        generator=gen,
+    )
     assert all(d == 3 for d, _ in full.rounds[:-1])
     assert all(d >= 1 for d, _ in short.rounds) and sum(d for d, _ in short.rounds) / len(short.rounds) < 3
 
@@ -117,9 +138,18 @@ def _dspark_for(model, calibrated=False):
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 200)
-    d = DSparkDrafter.from_target(model.config, [1, 2, 4], 200, model.get_input_embeddings().weight, d2t, t2d,
-                                  head_weight=model.get_output_embeddings().weight, block_size=4, num_layers=2,
-                                  markov_rank=8).double()
+    d = DSparkDrafter.from_target(
+        model.config,
+        [1, 2, 4],
+        200,
+        model.get_input_embeddings().weight,
+        d2t,
+        t2d,
+        head_weight=model.get_output_embeddings().weight,
+        block_size=4,
+        num_layers=2,
+        markov_rank=8,
+    ).double()
     if calibrated:
         d.config.confidence_temperatures = [0.5, 2.0, 1.0, 3.0]
     return d

@@ -31,7 +31,7 @@ def plain_greedy(model, prompt, n, stops=()):
             ids.append(int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
             if ids[-1] in stops:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 class GreedyOracle(NoDraft):
@@ -102,8 +102,15 @@ def test_trees_and_batches_record_draft_and_verify_time(tiny64, monkeypatch):
     from tests.eval.test_exactness import _eagle3
 
     drafter = _eagle3(tiny64).to(tiny64.device)
-    r = decode(HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids), Eagle3Proposer(drafter), [5, 6, 7], SamplingParams(),
-               0, 10, tree=TreeSpec(depth=3, top_k=2, total=6))
+    r = decode(
+        HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids),
+        Eagle3Proposer(drafter),
+        [5, 6, 7],
+        SamplingParams(),
+        0,
+        10,
+        tree=TreeSpec(depth=3, top_k=2, total=6),
+    )
     assert r.draft_seconds > 0 and r.verify_seconds > 0
     real_commit = batch_mod.BatchedEagle3.commit
 
@@ -138,4 +145,6 @@ def test_tree_logits_equal_each_paths_plain_forward(tiny_tok, attn, test_device)
         for i in range(len(tree)):
             path = [tree.tokens[a] for a in tree.ancestors(i)]
             plain = model(torch.tensor([prompt + [root] + path], device=model.device)).logits[0, -1]
-            torch.testing.assert_close(logits[1 + i], plain.float(), rtol=0, atol=1e-4, msg=lambda m: f"node {i} ({attn}): {m}")
+            torch.testing.assert_close(
+                logits[1 + i], plain.float(), rtol=0, atol=1e-4, msg=lambda m, i=i: f"node {i} ({attn}): {m}"
+            )

@@ -57,7 +57,9 @@ def chi_square_pvalue(counts: Counter, probs: dict) -> float:
     n = sum(counts.values())
     stat = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in probs.items())
     df = len(probs) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def exact_three_token_distribution(prompt_token=0):
@@ -127,7 +129,7 @@ def plain_greedy(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 class OracleDraft(NoDraft):
@@ -147,7 +149,9 @@ def _eagle3(model):
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 200)
-    return Eagle3Drafter.from_target(model.config, [1, 2, 4], 200, model.get_input_embeddings().weight, d2t, t2d).double()
+    return Eagle3Drafter.from_target(
+        model.config, [1, 2, 4], 200, model.get_input_embeddings().weight, d2t, t2d
+    ).double()
 
 
 @pytest.mark.parametrize("kind", ["none", "prompt_lookup", "eagle3", "eagle3_adaptive", "oracle"])
@@ -159,10 +163,14 @@ def test_greedy_commits_exactly_the_targets_greedy_tokens(tiny64, kind):
         prompt = torch.randint(5, 380, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
         n_new = [5, 17, 40][trial % 3]
         gamma = [1, 3, 5][trial % 3]
-        proposer = {"none": NoDraft(), "prompt_lookup": PromptLookup(), "oracle": OracleDraft(tiny64, trial),
-                    "eagle3": Eagle3Proposer(drafter) if drafter else None,
-                    # adaptive draft length: whether position i is drafted depends only on what precedes it
-                    "eagle3_adaptive": Eagle3Proposer(drafter, confidence_threshold=0.3) if drafter else None}[kind]
+        proposer = {
+            "none": NoDraft(),
+            "prompt_lookup": PromptLookup(),
+            "oracle": OracleDraft(tiny64, trial),
+            "eagle3": Eagle3Proposer(drafter) if drafter else None,
+            # adaptive draft length: whether position i is drafted depends only on what precedes it
+            "eagle3_adaptive": Eagle3Proposer(drafter, confidence_threshold=0.3) if drafter else None,
+        }[kind]
         target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids if drafter else None)
         r = decode(target, proposer, prompt, SamplingParams(), gamma, n_new)
         assert r.tokens == plain_greedy(tiny64, prompt, n_new), (kind, trial)
@@ -179,7 +187,14 @@ def test_eagle3_sampling_runs_and_accounts(tiny64):
     drafter = _eagle3(tiny64)
     target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids)
     gen = torch.Generator().manual_seed(0)
-    r = decode(target, Eagle3Proposer(drafter, confidence_threshold=0.2), [5, 6, 7, 8], SamplingParams(1.0, 0.9, 50), 4, 30,
-               generator=gen)
+    r = decode(
+        target,
+        Eagle3Proposer(drafter, confidence_threshold=0.2),
+        [5, 6, 7, 8],
+        SamplingParams(1.0, 0.9, 50),
+        4,
+        30,
+        generator=gen,
+    )
     assert len(r.tokens) == 30 and 1.0 <= r.tau <= 5.0
     assert all(len(c) == d for c, (d, _) in zip(r.confidences, r.rounds))

@@ -20,10 +20,26 @@ from tests.eval.test_exactness import BigramTarget, chi_square_pvalue
 PARAMS = SamplingParams(temperature=0.7, top_p=0.85, top_k=3)  # every processing step changes the distribution
 
 # a 5-token bigram target and a perturbed drafter over the same tokens (log-probabilities as logits)
-P5 = torch.tensor([[0.40, 0.25, 0.15, 0.12, 0.08], [0.10, 0.45, 0.20, 0.15, 0.10], [0.30, 0.10, 0.35, 0.15, 0.10],
-                   [0.25, 0.25, 0.20, 0.20, 0.10], [0.05, 0.15, 0.30, 0.20, 0.30]], dtype=torch.float64)
-Q5 = torch.tensor([[0.20, 0.40, 0.10, 0.20, 0.10], [0.30, 0.30, 0.25, 0.10, 0.05], [0.15, 0.20, 0.40, 0.15, 0.10],
-                   [0.10, 0.40, 0.30, 0.10, 0.10], [0.20, 0.20, 0.20, 0.10, 0.30]], dtype=torch.float64)
+P5 = torch.tensor(
+    [
+        [0.40, 0.25, 0.15, 0.12, 0.08],
+        [0.10, 0.45, 0.20, 0.15, 0.10],
+        [0.30, 0.10, 0.35, 0.15, 0.10],
+        [0.25, 0.25, 0.20, 0.20, 0.10],
+        [0.05, 0.15, 0.30, 0.20, 0.30],
+    ],
+    dtype=torch.float64,
+)
+Q5 = torch.tensor(
+    [
+        [0.20, 0.40, 0.10, 0.20, 0.10],
+        [0.30, 0.30, 0.25, 0.10, 0.05],
+        [0.15, 0.20, 0.40, 0.15, 0.10],
+        [0.10, 0.40, 0.30, 0.10, 0.10],
+        [0.20, 0.20, 0.20, 0.10, 0.30],
+    ],
+    dtype=torch.float64,
+)
 
 
 def pooled_pvalue(counts: Counter, probs: dict, min_expected: float = 5.0) -> float:
@@ -128,17 +144,23 @@ def test_processed_sampling_with_a_trained_drafters_q_emits_the_targets_distribu
     assert pooled_pvalue(counts, exact_bigram(P5, PARAMS)) > 1e-3
 
 
-@pytest.mark.parametrize("mutant, gamma", [("q_before_processing", 3), ("p_from_next_position", 3),
-                                           ("resample_from_p", 3), ("bonus_from_last_row", 1)])
+@pytest.mark.parametrize(
+    "mutant, gamma",
+    [("q_before_processing", 3), ("p_from_next_position", 3), ("resample_from_p", 3), ("bonus_from_last_row", 1)],
+)
 def test_the_processed_sampling_test_rejects_mutants(mutant, gamma):
     proposer = QBeforeProcessing(Q5) if mutant == "q_before_processing" else BigramTrained(Q5)
-    verify = {"p_from_next_position": verify_p_from_next_position, "resample_from_p": verify_resample_from_p,
-              "bonus_from_last_row": verify_bonus_from_last_draft_row}.get(mutant, sampling_verify)
+    verify = {
+        "p_from_next_position": verify_p_from_next_position,
+        "resample_from_p": verify_resample_from_p,
+        "bonus_from_last_row": verify_bonus_from_last_draft_row,
+    }.get(mutant, sampling_verify)
     counts, _ = emitted_bigram(proposer, verify, gamma=gamma, seed=1)
     assert pooled_pvalue(counts, exact_bigram(P5, PARAMS)) < 1e-6
 
 
 # ------------------------------------------------------------------------ batched decoding at T > 0, real model
+
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_tok, test_device):
@@ -187,8 +209,11 @@ def _eagle3(model):
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 384)
-    return Eagle3Drafter.from_target(model.config, [1, 2], 384, model.get_input_embeddings().weight.cpu(), d2t,
-                                     t2d).double().to(model.device)
+    return (
+        Eagle3Drafter.from_target(model.config, [1, 2], 384, model.get_input_embeddings().weight.cpu(), d2t, t2d)
+        .double()
+        .to(model.device)
+    )
 
 
 @pytest.mark.parametrize("kind", ["prompt_lookup", "eagle3"])

@@ -1,6 +1,8 @@
 """Tree drafting and verification: greedy trees reproduce the target's greedy tokens; sampled trees emit the
 target's exact distribution (chi-square on a bigram model), and the test rejects broken recursive rejection."""
 
+import importlib.util
+import pathlib
 from collections import Counter
 
 import pytest
@@ -12,13 +14,16 @@ from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, sample
 from draftsmith.eval.tree import Tree, prune, sampling_tree_verify, tree_mask
 
-import importlib.util
-import pathlib
-
 _spec = importlib.util.spec_from_file_location("exactness", pathlib.Path(__file__).with_name("test_exactness.py"))
 _ex = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_ex)
-P, Q, BigramTarget, chi_square_pvalue, exact3 = _ex.P, _ex.Q, _ex.BigramTarget, _ex.chi_square_pvalue, _ex.exact_three_token_distribution
+P, Q, BigramTarget, chi_square_pvalue, exact3 = (
+    _ex.P,
+    _ex.Q,
+    _ex.BigramTarget,
+    _ex.chi_square_pvalue,
+    _ex.exact_three_token_distribution,
+)
 
 
 class BigramTreeTarget(BigramTarget):
@@ -51,19 +56,26 @@ class BigramTreeDraft(NoDraft):
             for parent, token, score in sorted(frontier, key=lambda f: -f[2])[:top_k]:
                 lq = self.logq[token]
                 for c in torch.topk(lq, top_k).indices.tolist():
-                    tree.tokens.append(c); tree.parents.append(parent); tree.depths.append(d)
+                    tree.tokens.append(c)
+                    tree.parents.append(parent)
+                    tree.depths.append(d)
                     tree.scores.append(score + float(lq[c]))
                     nxt.append((len(tree) - 1, c, tree.scores[-1]))
             frontier = nxt
         return prune(tree, total)
 
 
-def emitted_tree(tree_verify, n=20000, seed=0, spec=TreeSpec(depth=2, top_k=2, total=5)):
+SMALL_TREE = TreeSpec(depth=2, top_k=2, total=5)
+
+
+def emitted_tree(tree_verify, n=20000, seed=0, spec=SMALL_TREE):
     gen = torch.Generator().manual_seed(seed)
     target, draft = BigramTreeTarget(P), BigramTreeDraft(Q)
     counts = Counter()
     for _ in range(n):
-        r = decode(target, draft, [0], SamplingParams(temperature=1.0), 0, 3, generator=gen, tree=spec, tree_verify=tree_verify)
+        r = decode(
+            target, draft, [0], SamplingParams(temperature=1.0), 0, 3, generator=gen, tree=spec, tree_verify=tree_verify
+        )
         counts[tuple(r.tokens[:3])] += 1
     return counts
 
@@ -126,7 +138,7 @@ def tiny64(tiny_tok):
 def test_greedy_trees_commit_exactly_the_targets_greedy_tokens(tiny64, spec):
     drafter = _ex._eagle3(tiny64)
     g = torch.Generator().manual_seed(5)
-    for trial in range(4):
+    for _ in range(4):
         prompt = torch.randint(5, 380, (int(torch.randint(3, 16, (1,), generator=g)),), generator=g).tolist()
         target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids)
         r = decode(target, Eagle3Proposer(drafter), prompt, SamplingParams(), 0, 20, tree=spec)
@@ -137,8 +149,16 @@ def test_greedy_trees_commit_exactly_the_targets_greedy_tokens(tiny64, spec):
 def test_sampled_trees_run_on_a_real_model(tiny64):
     drafter = _ex._eagle3(tiny64)
     gen = torch.Generator().manual_seed(0)
-    r = decode(HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids), Eagle3Proposer(drafter), [5, 6, 7], SamplingParams(1.0),
-               0, 25, generator=gen, tree=TreeSpec(depth=3, top_k=3, total=8))
+    r = decode(
+        HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids),
+        Eagle3Proposer(drafter),
+        [5, 6, 7],
+        SamplingParams(1.0),
+        0,
+        25,
+        generator=gen,
+        tree=TreeSpec(depth=3, top_k=3, total=8),
+    )
     assert len(r.tokens) == 25 and r.tau >= 1.0
 
 
@@ -164,7 +184,10 @@ class OracleTreeDraft(NoDraft):
             if other == good:
                 other = (other + 7) % 384
             for tok, score in ((other, -2.0 * d), (good, -1.0 * d)):
-                tree.tokens.append(tok); tree.parents.append(parent); tree.depths.append(d); tree.scores.append(score)
+                tree.tokens.append(tok)
+                tree.parents.append(parent)
+                tree.depths.append(d)
+                tree.scores.append(score)
             parent = len(tree) - 1
         return tree
 
@@ -174,8 +197,15 @@ def test_greedy_trees_with_long_accepted_paths(tiny64):
     rounds = []
     for trial in range(3):
         prompt = torch.randint(5, 380, (8,), generator=g).tolist()
-        r = decode(HFTarget(tiny64), OracleTreeDraft(tiny64, trial), prompt, SamplingParams(), 0, 30,
-                   tree=TreeSpec(depth=4, top_k=2, total=8))
+        r = decode(
+            HFTarget(tiny64),
+            OracleTreeDraft(tiny64, trial),
+            prompt,
+            SamplingParams(),
+            0,
+            30,
+            tree=TreeSpec(depth=4, top_k=2, total=8),
+        )
         assert r.tokens == _ex.plain_greedy(tiny64, prompt, 30)
         rounds += r.rounds
     assert sum(a for _, a in rounds) / len(rounds) > 1.0  # paths of several nodes were accepted and gathered

@@ -29,8 +29,11 @@ def _train_then_dump(self):
     out.mkdir(parents=True, exist_ok=True)
     save_file(params, str(out / f"rank{acc.process_index}.safetensors"))
     plugin = getattr(acc.state, "deepspeed_plugin", None)
-    print(f"SYNC world={acc.num_processes} engine={type(self.model).__name__} "
-          f"zero={getattr(plugin, 'zero_stage', None)} local_params={local}", flush=True)
+    print(
+        f"SYNC world={acc.num_processes} engine={type(self.model).__name__} "
+        f"zero={getattr(plugin, 'zero_stage', None)} local_params={local}",
+        flush=True,
+    )
     return result
 
 

@@ -11,8 +11,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_bench_gpu_runs_tiny_on_cpu(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))  # tiny ops: threads only add sync cost
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "bench_gpu.py"), "--tiny", "--device", "cpu",
-                           "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, check=False, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "bench_gpu.py"), "--tiny", "--device", "cpu", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((tmp_path / "bench_gpu.json").read_text())
     train, collect, verify = result["train"], result["collect"], result["verify"]

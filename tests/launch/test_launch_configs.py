@@ -55,8 +55,13 @@ def check_batch_arithmetic(ds: dict, world: int, grad_accum: int = 1) -> None:
 
 def test_there_is_something_to_check():
     names = {p.name for p in YAMLS} | {p.name for p in JSONS}
-    assert {"accelerate_ddp.yaml", "accelerate_zero2.yaml", "accelerate_zero3_multinode.yaml",
-            "ds_zero2.json", "ds_zero3_offload.json"} <= names
+    assert {
+        "accelerate_ddp.yaml",
+        "accelerate_zero2.yaml",
+        "accelerate_zero3_multinode.yaml",
+        "ds_zero2.json",
+        "ds_zero3_offload.json",
+    } <= names
     assert len(RECIPES) >= 5
 
 
@@ -74,9 +79,15 @@ def test_accelerate_yaml_is_valid(path):
         extra = set(raw["deepspeed_config"]) - _deepspeed_yaml_keys()
         assert not extra, f"unknown deepspeed_config keys {extra}"
         # with a deepspeed_config_file accelerate refuses a mixed_precision key (and the other values the JSON owns)
-        assert "mixed_precision" not in raw, "bf16 belongs in the DeepSpeed JSON (\"bf16\": {\"enabled\": \"auto\"})"
-        owned = {"gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
-                 "offload_param_device", "zero3_save_16bit_model"}
+        assert "mixed_precision" not in raw, 'bf16 belongs in the DeepSpeed JSON ("bf16": {"enabled": "auto"})'
+        owned = {
+            "gradient_accumulation_steps",
+            "gradient_clipping",
+            "zero_stage",
+            "offload_optimizer_device",
+            "offload_param_device",
+            "zero3_save_16bit_model",
+        }
         assert not owned & set(raw["deepspeed_config"])
         ds_path = REPO / raw["deepspeed_config"]["deepspeed_config_file"]
         assert ds_path.is_file(), f"{path.name} points to a missing {ds_path}"
@@ -104,9 +115,25 @@ def test_deepspeed_json_is_valid(path):
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
     from deepspeed.runtime.config import DeepSpeedConfig  # DeepSpeed's own reading of the key
 
-    assert DeepSpeedConfig({**ds, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
-                            "gradient_clipping": 1.0, "bf16": {"enabled": True}}).grad_accum_dtype == "fp32"
-    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping"):
+    assert (
+        DeepSpeedConfig(
+            {
+                **ds,
+                "train_batch_size": 8,
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 8,
+                "gradient_clipping": 1.0,
+                "bf16": {"enabled": True},
+            }
+        ).grad_accum_dtype
+        == "fp32"
+    )
+    for key in (
+        "train_micro_batch_size_per_gpu",
+        "train_batch_size",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
         assert ds[key] == "auto", f"{key}: the trainer resolves it from the run config"
     for world in (1, 2, 8, 16):
         check_batch_arithmetic(ds, world, grad_accum=4)
@@ -116,9 +143,13 @@ def test_deepspeed_json_is_valid(path):
 
 
 def test_batch_arithmetic_check_catches_a_mismatch():
-    check_batch_arithmetic({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 8)
+    check_batch_arithmetic(
+        {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 8
+    )
     with pytest.raises(ValueError, match="train_batch_size 7"):
-        check_batch_arithmetic({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2}, 8)
+        check_batch_arithmetic(
+            {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2}, 8
+        )
 
 
 @pytest.mark.parametrize("path", sorted(LAUNCH.glob("*.sh")) + sorted(LAUNCH.glob("*.sbatch")), ids=lambda p: p.name)
@@ -129,8 +160,18 @@ def test_shell_scripts_parse(path):
 
 def test_slurm_script_reads_its_layout_from_slurm():
     text = (LAUNCH / "slurm_train.sbatch").read_text()
-    for needle in ("SLURM_NODEID", "scontrol show hostnames", "SLURM_NNODES", "--machine_rank", "--main_process_ip",
-                   "--num_machines", "--num_processes", "srun --ntasks-per-node=1", "accelerate launch", "draftsmith"):
+    for needle in (
+        "SLURM_NODEID",
+        "scontrol show hostnames",
+        "SLURM_NNODES",
+        "--machine_rank",
+        "--main_process_ip",
+        "--num_machines",
+        "--num_processes",
+        "srun --ntasks-per-node=1",
+        "accelerate launch",
+        "draftsmith",
+    ):
         assert needle in text, needle
 
 
@@ -156,7 +197,9 @@ def test_recipe_loads_and_fits_its_target(path):
         assert (REPO / cfg.train.deepspeed).is_file()
     if resolve_target(cfg.model).kind != "hub":
         return  # local targets (SmolLM2) are covered by the pipeline tests
-    assert bundled_target_config(cfg.model.target), f"add configs/targets/ for {cfg.model.target} so `plan` works offline"
+    assert bundled_target_config(cfg.model.target), (
+        f"add configs/targets/ for {cfg.model.target} so `plan` works offline"
+    )
     config = load_target_config(cfg)
     L = config.num_hidden_layers
     aux = cfg.collect.aux_layer_ids
@@ -175,7 +218,13 @@ def test_recipe_loads_and_fits_its_target(path):
 
 def test_recipes_cover_the_issue():
     names = {p.stem for p in RECIPES}
-    assert {"llama3.1-8b-eagle3", "llama3.1-8b-dspark", "qwen3-8b-eagle3", "qwen3-8b-dspark", "llama3.3-70b-eagle3"} <= names
+    assert {
+        "llama3.1-8b-eagle3",
+        "llama3.1-8b-dspark",
+        "qwen3-8b-eagle3",
+        "qwen3-8b-dspark",
+        "llama3.3-70b-eagle3",
+    } <= names
     for stem, layers in (("llama3.1-8b-dspark", 32), ("qwen3-8b-dspark", 36)):
         cfg = load_config(REPO / "configs" / f"{stem}.yaml")
         assert cfg.train.drafters == ["dspark"] and len(cfg.collect.aux_layer_ids) == 5

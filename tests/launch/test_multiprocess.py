@@ -54,7 +54,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, write_chats):
     """A tiny 4-layer target, prepared records and an fp32 feature store, plus the recipe every launch trains."""
@@ -67,11 +66,21 @@ def workspace(tmp_path_factory, write_chats):
     target = save_tiny_target(root / "target", seed=0, num_layers=4)
     write_chats(root / "chat.jsonl", 16)
     recipe = {
-        "name": "launch-test", "run_dir": str(root / "run"), "model": {"target": str(target)},
+        "name": "launch-test",
+        "run_dir": str(root / "run"),
+        "model": {"target": str(target)},
         "data": {"sources": [{"path": str(root / "chat.jsonl")}], "holdout_fraction": 0.25},
         "collect": {"aux_layer_ids": [1, 2, 3], "dtype": "float32"},
-        "train": {"batch_tokens": 160, "ttt_steps": 3, "draft_vocab_size": 384, "max_steps": STEPS, "lr": 2e-3,
-                  "log_every": 1, "eval_every": 1000, "save_every": 1000},
+        "train": {
+            "batch_tokens": 160,
+            "ttt_steps": 3,
+            "draft_vocab_size": 384,
+            "max_steps": STEPS,
+            "lr": 2e-3,
+            "log_every": 1,
+            "eval_every": 1000,
+            "save_every": 1000,
+        },
     }
     (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     cfg = load_config(root / "recipe.yaml")
@@ -100,8 +109,14 @@ def _two_process_copy(name: str, out: Path, **changes) -> Path:
 
 
 def _env(sync_dir: Path, **extra) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", SYNC_DIR=str(sync_dir),
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        SYNC_DIR=str(sync_dir),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(REPO),
+    )
     # the venv's tools (accelerate) go at the END of PATH: a venv `ninja` ahead of the system one would make
     # DeepSpeed rebuild its CPU communication op (~1 minute) whenever the two ninjas alternate on the build cache
     env["PATH"] = f"{env.get('PATH', '')}{os.pathsep}{Path(sys.executable).parent}"
@@ -137,8 +152,20 @@ def ddp_params(workspace, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp")
     recipe = _new_run(workspace, tmp, "ddp")
     config = _two_process_copy("accelerate_ddp.yaml", tmp / "ddp.yaml", mixed_precision="no")
-    out = _run([str(ACCELERATE), "launch", "--config_file", str(config), "--main_process_port", str(_free_port()),
-                str(WORKER), "train", str(recipe)], _env(tmp / "sync"))
+    out = _run(
+        [
+            str(ACCELERATE),
+            "launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(_free_port()),
+            str(WORKER),
+            "train",
+            str(recipe),
+        ],
+        _env(tmp / "sync"),
+    )
     return _check_run(out, recipe, tmp / "sync", "DistributedDataParallel", None)
 
 
@@ -155,8 +182,21 @@ def test_ddp_two_processes_through_the_accelerate_config(ddp_params):
 def test_deepspeed_zero2_through_the_accelerate_config(workspace, tmp_path, ddp_params):
     recipe = _new_run(workspace, tmp_path, "zero2")
     config = _two_process_copy("accelerate_zero2.yaml", tmp_path / "zero2.yaml")
-    out = _run([str(ACCELERATE), "launch", "--config_file", str(config), "--main_process_port", str(_free_port()),
-                str(WORKER), "train", str(recipe), "train.deepspeed=launch/ds_zero2.json"], _env(tmp_path / "sync"))
+    out = _run(
+        [
+            str(ACCELERATE),
+            "launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(_free_port()),
+            str(WORKER),
+            "train",
+            str(recipe),
+            "train.deepspeed=launch/ds_zero2.json",
+        ],
+        _env(tmp_path / "sync"),
+    )
     _assert_close_to(ddp_params, _check_run(out, recipe, tmp_path / "sync", "DeepSpeedEngine", 2), "ZeRO-2")
 
 
@@ -172,21 +212,36 @@ def test_deepspeed_zero3_offload_online_sharded_target_through_the_slurm_script(
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     (tmp_path / "ds_zero3_offload.json").write_text(json.dumps(ds))
     accel = yaml.safe_load((REPO / "launch" / "accelerate_zero3_multinode.yaml").read_text())["deepspeed_config"]
-    config = _two_process_copy("accelerate_zero3_multinode.yaml", tmp_path / "zero3.yaml",
-                               deepspeed_config={**accel, "deepspeed_config_file": str(tmp_path / "ds_zero3_offload.json")})
+    config = _two_process_copy(
+        "accelerate_zero3_multinode.yaml",
+        tmp_path / "zero3.yaml",
+        deepspeed_config={**accel, "deepspeed_config_file": str(tmp_path / "ds_zero3_offload.json")},
+    )
     bin_dir = tmp_path / "bin"  # one-node stand-ins for SLURM's tools
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
-                                  'SLURM_NODEID=0 SLURM_PROCID=0 exec "$@"\n')
-    (bin_dir / "scontrol").write_text('#!/bin/bash\necho localhost\n')
+    (bin_dir / "srun").write_text(
+        '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 SLURM_PROCID=0 exec "$@"\n'
+    )
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\n")
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
-    env = _env(tmp_path / "sync", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4242",
-               SLURM_SUBMIT_DIR=str(REPO), GPUS_PER_NODE="2", ACCEL_CONFIG=str(config), MAIN_PORT=str(_free_port()),
-               ENTRY=str(WORKER), VENV=str(tmp_path / "no-venv"))  # keep PATH as _env set it
+    env = _env(
+        tmp_path / "sync",
+        SLURM_NNODES="1",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_ID="4242",
+        SLURM_SUBMIT_DIR=str(REPO),
+        GPUS_PER_NODE="2",
+        ACCEL_CONFIG=str(config),
+        MAIN_PORT=str(_free_port()),
+        ENTRY=str(WORKER),
+        VENV=str(tmp_path / "no-venv"),
+    )  # keep PATH as _env set it
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    out = _run(["bash", str(REPO / "launch" / "slurm_train.sbatch"), str(recipe), "train.features=online",
-                "model.zero3=gpu"], env)
+    out = _run(
+        ["bash", str(REPO / "launch" / "slurm_train.sbatch"), str(recipe), "train.features=online", "model.zero3=gpu"],
+        env,
+    )
     assert "1 node(s) x 2 GPU(s), rendezvous localhost" in out and "ds_zero3_offload.json" in out
     params = _check_run(out, recipe, tmp_path / "sync", "DeepSpeedEngine", 3)
     assert out.count("local_params=0") == 2, "ZeRO-3 left whole parameters on a rank"
@@ -195,16 +250,54 @@ def test_deepspeed_zero3_offload_online_sharded_target_through_the_slurm_script(
 
 def test_torchrun_script_builds_the_rendezvous_command(tmp_path):
     """launch/torchrun_train.sh with `echo` as the interpreter: the torchrun command it would run."""
-    env = dict(os.environ, PYTHON="echo", NNODES="2", NPROC_PER_NODE="8", MASTER_ADDR="node0", MASTER_PORT="29123",
-               RDZV_ID="77", DS_CONFIG="launch/ds_zero3.json")
-    proc = subprocess.run(["bash", str(REPO / "launch" / "torchrun_train.sh"), "configs/x.yaml", "train.lr=1e-4"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=60)
+    env = dict(
+        os.environ,
+        PYTHON="echo",
+        NNODES="2",
+        NPROC_PER_NODE="8",
+        MASTER_ADDR="node0",
+        MASTER_PORT="29123",
+        RDZV_ID="77",
+        DS_CONFIG="launch/ds_zero3.json",
+    )
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "torchrun_train.sh"), "configs/x.yaml", "train.lr=1e-4"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [
-        "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv_backend", "c10d",
-        "--rdzv_endpoint", "node0:29123", "--rdzv_id", "77", "-m", "draftsmith", "train", "configs/x.yaml",
-        "train.deepspeed=launch/ds_zero3.json", "train.lr=1e-4"]
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "8",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "node0:29123",
+        "--rdzv_id",
+        "77",
+        "-m",
+        "draftsmith",
+        "train",
+        "configs/x.yaml",
+        "train.deepspeed=launch/ds_zero3.json",
+        "train.lr=1e-4",
+    ]
     env.update(STAGE="collect", DS_CONFIG="")  # other stages split their work by rank and take no DeepSpeed JSON
-    proc = subprocess.run(["bash", str(REPO / "launch" / "torchrun_train.sh"), "configs/x.yaml"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, check=False, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "torchrun_train.sh"), "configs/x.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout.split()[-4:] == ["-m", "draftsmith", "collect", "configs/x.yaml"]

@@ -14,8 +14,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _tracked_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [f for f in out.splitlines() if (REPO / f).is_file()]
 
 
@@ -24,8 +29,24 @@ def test_the_wheel_installs_one_draftsmith_package_and_its_entry_point(tmp_path)
     for f in _tracked_files():  # a copy, so the build leaves nothing behind in the checkout
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / f, src / f)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     wheel = next((tmp_path / "dist").glob("draftsmith-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
@@ -39,7 +60,8 @@ def test_the_wheel_installs_one_draftsmith_package_and_its_entry_point(tmp_path)
 
 
 def test_python_m_draftsmith_runs_from_outside_the_checkout(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "draftsmith", "--help"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "draftsmith", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "STAGE" in out.stdout

@@ -10,15 +10,25 @@ from draftsmith.pipeline.budget import Probes, choose_sizes, measure_probes
 from draftsmith.pipeline.cli import main
 from draftsmith.pipeline.config import ConfigError, load_config
 
-REFERENCE = ("budget.reference={seconds: {generate: 300, collect: 60, train: 600, eval: 400, export: 5}, "
-             "probes: {gen_step: 0.05, prefill: 0.2, decode: 0.03, train_step: 0.5, load: 0.0}, synthesize: 160, "
-             "max_prompts_per_domain: 2}")
+REFERENCE = (
+    "budget.reference={seconds: {generate: 300, collect: 60, train: 600, eval: 400, export: 5}, "
+    "probes: {gen_step: 0.05, prefill: 0.2, decode: 0.03, train_step: 0.5, load: 0.0}, synthesize: 160, "
+    "max_prompts_per_domain: 2}"
+)
 SAME = Probes(gen_step=0.05, prefill=0.2, decode=0.03, train_step=0.5, load=0.0)
 
 
 def _cfg(minutes, *overrides):
-    return load_config(None, [f"budget.minutes={minutes}", REFERENCE, "generate.synthesize=160",
-                              "eval.max_prompts_per_domain=2", *overrides])
+    return load_config(
+        None,
+        [
+            f"budget.minutes={minutes}",
+            REFERENCE,
+            "generate.synthesize=160",
+            "eval.max_prompts_per_domain=2",
+            *overrides,
+        ],
+    )
 
 
 def test_the_reference_machine_gets_the_reference_sizes_when_the_budget_is_the_reference_time():
@@ -43,7 +53,9 @@ def test_a_slower_machine_gets_less_data_and_each_stage_scales_with_its_own_prob
 
 
 def test_eval_gives_up_prompts_before_the_data_does_and_never_goes_below_one():
-    slow_decode = Probes(gen_step=0.05, prefill=0.2, decode=0.09, train_step=0.5, load=0.0)  # eval 3x slower: 1200 s for 2 prompts/domain
+    slow_decode = Probes(
+        gen_step=0.05, prefill=0.2, decode=0.09, train_step=0.5, load=0.0
+    )  # eval 3x slower: 1200 s for 2 prompts/domain
     plan = choose_sizes(_cfg(25), slow_decode)
     assert plan.max_prompts_per_domain == 1  # 600 s per prompt fits 0.3 of the budget once
     hopeless = Probes(gen_step=0.05, prefill=0.2, decode=0.5, train_step=0.5, load=0.0)
@@ -53,8 +65,16 @@ def test_eval_gives_up_prompts_before_the_data_does_and_never_goes_below_one():
 def test_each_stage_pays_its_target_loads_here_and_scales_only_the_rest():
     """Loading the target is a fixed cost per stage (per family in train): it is charged at this machine's load time
     and kept out of what scales with the sizes."""
-    cfg = load_config(None, ["budget.minutes=25", REFERENCE.replace("load: 0.0", "load: 10.0"), "generate.synthesize=160",
-                             "eval.max_prompts_per_domain=2", "train.drafters=[eagle3, dspark]"])
+    cfg = load_config(
+        None,
+        [
+            "budget.minutes=25",
+            REFERENCE.replace("load: 0.0", "load: 10.0"),
+            "generate.synthesize=160",
+            "eval.max_prompts_per_domain=2",
+            "train.drafters=[eagle3, dspark]",
+        ],
+    )
     plan = choose_sizes(cfg, Probes(gen_step=0.05, prefill=0.2, decode=0.03, train_step=0.5, load=30.0))
     scale = plan.synthesize / 160
     assert plan.predicted["generate"] == pytest.approx(30 + (300 - 10) * scale)
@@ -86,8 +106,12 @@ def test_probes_run_on_a_real_target(tiny_target_dir):
 
 def test_a_budgeted_run_sizes_itself_records_the_choice_and_reuses_it(tmp_path, tiny_target_dir):
     prompts = tmp_path / "eval.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"e{i}", "prompt": f"Question {i}: explain.", "topic": ["a", "b"][i % 2]}) + "\n"
-                               for i in range(6)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"e{i}", "prompt": f"Question {i}: explain.", "topic": ["a", "b"][i % 2]}) + "\n"
+            for i in range(6)
+        )
+    )
     recipe = tmp_path / "tiny.yaml"
     # a reference whose stages took an hour at these sizes: any machine gets the floor (8 prompts, 1 per domain)
     recipe.write_text(f"""

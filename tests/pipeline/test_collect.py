@@ -25,8 +25,10 @@ DOMAINS = ["math", "code", "chat"]
 def _records(n=14):
     out = []
     for i in range(n):
-        turns = [{"role": "user", "content": f"Question {i}: what is {i} plus " + "one " * (i % 5) + "?"},
-                 {"role": "assistant", "content": f"The answer is {i + 1}." + " Because math." * (i % 4)}]
+        turns = [
+            {"role": "user", "content": f"Question {i}: what is {i} plus " + "one " * (i % 5) + "?"},
+            {"role": "assistant", "content": f"The answer is {i + 1}." + " Because math." * (i % 4)},
+        ]
         if i % 3 == 0:
             turns += [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Counting."}]
         out.append({"id": f"q{i}", "messages": turns, "topic": DOMAINS[i % 3]})
@@ -37,10 +39,19 @@ def _cfg(root, target, *overrides):
     root.mkdir(parents=True, exist_ok=True)
     data = root / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _records()))
-    return load_config(None, [f"run_dir={root / 'run'}", f"model.target={target}",
-                              f"data.sources=[{{path: {data}, domain_field: topic}}]", "data.holdout_fraction=0.25",
-                              "collect.aux_layer_ids=[0,1,2]", "collect.shard_tokens=200", "collect.batch_tokens=128",
-                              *overrides])
+    return load_config(
+        None,
+        [
+            f"run_dir={root / 'run'}",
+            f"model.target={target}",
+            f"data.sources=[{{path: {data}, domain_field: topic}}]",
+            "data.holdout_fraction=0.25",
+            "collect.aux_layer_ids=[0,1,2]",
+            "collect.shard_tokens=200",
+            "collect.batch_tokens=128",
+            *overrides,
+        ],
+    )
 
 
 def _shard_hashes(out):
@@ -80,6 +91,7 @@ def test_bf16_store_and_verify_catches_corruption(tmp_path, tiny_target_dir):
     shard = out / store.manifest["shards"][0]["file"]
     tensors = load_file(shard)
     from safetensors import safe_open
+
     with safe_open(str(shard), "pt") as f:
         meta = f.metadata()
     tensors["final"][3] += 0.5  # a silently corrupted token, same file size
@@ -157,7 +169,9 @@ def test_online_source_equals_offline_store(tmp_path, tiny_target_dir):
     # fp32 sums in another order drift depends on the CPU's kernels (9.8e-5 seen with AVX2 kernels), so this part
     # computes in float64, where the order costs ~1e-15, and the store's float32 copy must be the rounding of
     # the online float64 features: within one float32 ulp (2^-23 relative; rounding itself costs at most half).
-    cfg64 = _cfg(tmp_path / "f64", tiny_target_dir, "model.dtype=float64", "collect.dtype=float32", "collect.batch_tokens=256")
+    cfg64 = _cfg(
+        tmp_path / "f64", tiny_target_dir, "model.dtype=float64", "collect.dtype=float32", "collect.batch_tokens=256"
+    )
     run_prepare(cfg64)
     store = FeatureStore(collect_stage.run_collect(cfg64))
     online = OnlineFeatureSource(load_target(cfg64.model).model, records, [0, 1, 2])
@@ -181,13 +195,18 @@ def test_two_ranks_collect_the_same_store_as_one(tmp_path, tiny_target_dir):
 
     def run(prefix, run_dir):
         import shutil
+
         shutil.copytree(cfg.run_path / "prepared", run_dir / "prepared")
-        proc = subprocess.run(prefix + base[1:] + [f"run_dir={run_dir}"], env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            prefix + base[1:] + [f"run_dir={run_dir}"], env=env, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
     run([sys.executable], tmp_path / "one")
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], tmp_path / "two")
+    proc = run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], tmp_path / "two"
+    )
     assert "2 rank(s)" in proc.stderr
     one, two = _shard_hashes(tmp_path / "one" / "features"), _shard_hashes(tmp_path / "two" / "features")
     assert len(one) > 2 and one == two

@@ -21,8 +21,15 @@ def test_every_shipped_recipe_loads():
 def test_overrides_are_typed_and_nested(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("model: {target: smollm2-135m-instruct}\ngenerate: {temperature: 0.0}\n")
-    cfg = load_config(path, ["generate.temperature=0.7", "generate.synth.min_chars=5", "data.sources=[{builtin: mtbench}]",
-                             "collect.aux_layer_ids=[1,2,3]"])
+    cfg = load_config(
+        path,
+        [
+            "generate.temperature=0.7",
+            "generate.synth.min_chars=5",
+            "data.sources=[{builtin: mtbench}]",
+            "collect.aux_layer_ids=[1,2,3]",
+        ],
+    )
     assert cfg.generate.temperature == 0.7
     assert cfg.generate.synth.min_chars == 5
     assert cfg.data.sources[0].builtin == "mtbench"

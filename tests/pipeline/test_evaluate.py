@@ -19,9 +19,22 @@ from draftsmith.pipeline.train import run_train
 def test_eval_stage(tmp_path):
     target = save_tiny_target(tmp_path / "target", seed=0, num_layers=4)
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "category": ["math", "code"][i % 2], "messages": [
-        {"role": "user", "content": f"Question {i}: what is {i} plus one? " * (1 + i % 3)},
-        {"role": "assistant", "content": f"The answer is {i + 1}. The answer is {i + 1}."}]}) + "\n" for i in range(8)))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"q{i}",
+                    "category": ["math", "code"][i % 2],
+                    "messages": [
+                        {"role": "user", "content": f"Question {i}: what is {i} plus one? " * (1 + i % 3)},
+                        {"role": "assistant", "content": f"The answer is {i + 1}. The answer is {i + 1}."},
+                    ],
+                }
+            )
+            + "\n"
+            for i in range(8)
+        )
+    )
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
         f"model: {{target: {target}, dtype: float64}}\n"
@@ -49,21 +62,53 @@ def test_eval_stage(tmp_path):
             assert e3["speedup"] > 0 and len(e3["survival"]) == 3
         assert run["overall"]["eagle3"]["calibration"]["positions"] > 0
     # float64 target: greedy speculative decoding reproduces plain decoding exactly
-    assert ev["runs"][0]["greedy_divergence"] == {"prompt_lookup": {"prompts": 0, "of": 8}, "eagle3": {"prompts": 0, "of": 8}}
+    assert ev["runs"][0]["greedy_divergence"] == {
+        "prompt_lookup": {"prompts": 0, "of": 8},
+        "eagle3": {"prompts": 0, "of": 8},
+    }
     for f in ("report.md", "tau_by_domain_T0.png", "survival_T1.png", "reliability_T0.png", "manifest.json"):
         assert (out / f).is_file(), f
     assert "| math |" in (out / "report.md").read_text()
 
     # tree drafting for the trained drafter (one prompt at a time), still exact under greedy decoding
-    assert main(["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.batch_size=1",
-                 "eval.tree_depth=3", "eval.tree_top_k=2", "eval.tree_nodes=6", "eval.max_prompts=3"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(recipe),
+                f"run_dir={tmp_path / 'run'}",
+                "--temperature",
+                "0",
+                "eval.batch_size=1",
+                "eval.tree_depth=3",
+                "eval.tree_top_k=2",
+                "eval.tree_nodes=6",
+                "eval.max_prompts=3",
+            ]
+        )
+        == 0
+    )
     ev = json.loads((out / "eval.json").read_text())
     assert ev["runs"][0]["greedy_divergence"]["eagle3"] == {"prompts": 0, "of": 3}
     assert "tree depth 3" in (out / "report.md").read_text()
 
     # a per-domain prompt cap, and a second evaluation written beside the first (eval.output)
-    assert main(["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.batch_size=1",
-                 "eval.max_prompts_per_domain=1", "eval.output=eval-one-each", "eval.drafters=[none,trained]"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(recipe),
+                f"run_dir={tmp_path / 'run'}",
+                "--temperature",
+                "0",
+                "eval.batch_size=1",
+                "eval.max_prompts_per_domain=1",
+                "eval.output=eval-one-each",
+                "eval.drafters=[none,trained]",
+            ]
+        )
+        == 0
+    )
     one = json.loads((tmp_path / "run" / "eval-one-each" / "eval.json").read_text())
     assert {d: row["none"]["prompts"] for d, row in one["runs"][0]["domains"].items()} == {"math": 1, "code": 1}
     e3 = one["runs"][0]["overall"]["eagle3"]
@@ -74,17 +119,37 @@ def test_eval_stage(tmp_path):
     # under torchrun (2 gloo ranks) each rank decodes a share of the batches; the merged greedy results are the
     # single process's, count for count; then export (a single-writer stage) under the same launch
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
-    for stage in (["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.output=eval-2ranks"],
-                  ["export", str(recipe), f"run_dir={tmp_path / 'run'}", "export.dtype=float32"]):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               "-m", "draftsmith", *stage], env=env, capture_output=True, text=True, timeout=300)
+    for stage in (
+        ["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.output=eval-2ranks"],
+        ["export", str(recipe), f"run_dir={tmp_path / 'run'}", "export.dtype=float32"],
+    ):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                "-m",
+                "draftsmith",
+                *stage,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "run" / "eval-2ranks" / "eval.json").read_text())
     assert two["settings"]["processes"] == 2
     counts = ("prompts", "rounds", "drafted", "accepted", "target_passes", "new_tokens", "acceptance_by_position")
     for domain, row in first["runs"][0]["domains"].items():  # the first evaluation's T = 0 run, same settings
         for name, stats in row.items():
-            assert {k: two["runs"][0]["domains"][domain][name][k] for k in counts} == {k: stats[k] for k in counts}, (domain, name)
+            assert {k: two["runs"][0]["domains"][domain][name][k] for k in counts} == {k: stats[k] for k in counts}, (
+                domain,
+                name,
+            )
     assert two["runs"][0]["greedy_divergence"] == first["runs"][0]["greedy_divergence"]
     assert json.loads((tmp_path / "run" / "export" / "manifest.json").read_text())["kind"] == "export"
 
@@ -93,16 +158,21 @@ def _lookup_only_recipe(tmp_path, device):
     """An eval of plain decoding and prompt lookup (no trained drafter needed) on a tiny target."""
     target = save_tiny_target(tmp_path / "target", seed=0, num_layers=2)
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}: say it twice. " * 2}) + "\n" for i in range(3)))
+    data.write_text(
+        "".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}: say it twice. " * 2}) + "\n" for i in range(3))
+    )
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: {{target: {target}, device: {device}}}\n"
-                      f"eval: {{sources: [{{path: {data}}}], drafters: [none, prompt_lookup], max_new_tokens: 12, "
-                      f"temperatures: [0.0, 1.0], top_p: 0.9, top_k: 20, batch_size: 1}}\n")
+    recipe.write_text(
+        f"model: {{target: {target}, device: {device}}}\n"
+        f"eval: {{sources: [{{path: {data}}}], drafters: [none, prompt_lookup], max_new_tokens: 12, "
+        f"temperatures: [0.0, 1.0], top_p: 0.9, top_k: 20, batch_size: 1}}\n"
+    )
     return load_config(recipe, [f"run_dir={tmp_path / 'run'}"])
 
 
 def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_finished_temperatures(
-        tmp_path, monkeypatch, test_device):
+    tmp_path, monkeypatch, test_device
+):
     import pytest
     import torch
 
@@ -115,7 +185,9 @@ def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_fin
 
     def spy(target, proposer, prompt, params, gamma, max_new_tokens, stops, gen, **kw):
         calls.append((type(proposer).__name__, params.temperature, max_new_tokens))
-        assert isinstance(gen, torch.Generator) and gen.device.type == target.device.type  # multinomial on CUDA needs it
+        assert (
+            isinstance(gen, torch.Generator) and gen.device.type == target.device.type
+        )  # multinomial on CUDA needs it
         if params.temperature == 1.0 and max_new_tokens == 12:
             raise RuntimeError("a failure at the second temperature")
         return real_decode(target, proposer, prompt, params, gamma, max_new_tokens, stops, gen, **kw)
@@ -125,7 +197,9 @@ def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_fin
         evaluate.run_eval(cfg)
     # every drafter ran untimed (short) at both temperatures before the first timed decode
     first_timed = next(i for i, c in enumerate(calls) if c[2] == 12)
-    assert {(name, t) for name, t, n in calls[:first_timed]} == {(n, t) for n in ("NoDraft", "PromptLookup") for t in (0.0, 1.0)}
+    assert {(name, t) for name, t, n in calls[:first_timed]} == {
+        (n, t) for n in ("NoDraft", "PromptLookup") for t in (0.0, 1.0)
+    }
     assert all(n == 8 for _, _, n in calls[:first_timed])
     # the T = 0 results were written before T = 1 failed, marked incomplete, so `draftsmith run` will not skip eval
     ev = json.loads((cfg.run_path / "eval" / "eval.json").read_text())

@@ -26,7 +26,9 @@ def _drafter(target_dir, tmp_path, num_layers=1, aux=(1, 2, 3), D=200):
 
     tcfg = AutoConfig.from_pretrained(target_dir)
     embed = AutoModelForCausalLM.from_pretrained(target_dir).get_input_embeddings().weight.detach()
-    d2t, t2d = select_draft_vocab(torch.randint(0, 100, (tcfg.vocab_size,), generator=torch.Generator().manual_seed(0)), D)
+    d2t, t2d = select_draft_vocab(
+        torch.randint(0, 100, (tcfg.vocab_size,), generator=torch.Generator().manual_seed(0)), D
+    )
     torch.manual_seed(0)
     model = Eagle3Drafter.from_target(tcfg, list(aux), D, embed, d2t, t2d, num_layers=num_layers)
     with torch.no_grad():
@@ -45,16 +47,31 @@ def _export(target_dir, tmp_path, path, *overrides):
 
 def vllm_expected_params(c):
     """vLLM's LlamaForCausalLMEagle3 parameters (after its q/k/v and gate/up fusion) and their shapes."""
-    H, nh, nkv, hd, I = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]
+    H, nh, nkv, hd, inter = (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+        c["intermediate_size"],
+    )
     n_aux = c.get("num_aux_hidden_states", 3)
-    out = {"model.fc.weight": (H, n_aux * c["target_hidden_size"]), "model.norm.weight": (H,),
-           "lm_head.weight": (c["draft_vocab_size"], H), "draft_id_to_target_id": (c["draft_vocab_size"],)}
+    out = {
+        "model.fc.weight": (H, n_aux * c["target_hidden_size"]),
+        "model.norm.weight": (H,),
+        "lm_head.weight": (c["draft_vocab_size"], H),
+        "draft_id_to_target_id": (c["draft_vocab_size"],),
+    }
     for layer in range(c["num_hidden_layers"]):
         width = 2 * H if layer == 0 else H
         p = f"model.layers.{layer}."
-        out |= {p + "self_attn.qkv_proj.weight": ((nh + 2 * nkv) * hd, width), p + "self_attn.o_proj.weight": (H, nh * hd),
-                p + "mlp.gate_up_proj.weight": (2 * I, H), p + "mlp.down_proj.weight": (H, I),
-                p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
+        out |= {
+            p + "self_attn.qkv_proj.weight": ((nh + 2 * nkv) * hd, width),
+            p + "self_attn.o_proj.weight": (H, nh * hd),
+            p + "mlp.gate_up_proj.weight": (2 * inter, H),
+            p + "mlp.down_proj.weight": (H, inter),
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+        }
         if layer == 0:
             out[p + "hidden_norm.weight"] = (H,)
     return out
@@ -94,8 +111,18 @@ def vllm_load(tensors):
     return fused
 
 
-SGLANG_LAYER = ["hidden_norm", "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+SGLANG_LAYER = [
+    "hidden_norm",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+]
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])
@@ -106,8 +133,14 @@ def test_vllm_contract(target4, tmp_path, num_layers):
     tensors = load_file(str(out / "eagle3" / "model.safetensors"))
     assert vllm_load(tensors) == vllm_expected_params(c)  # every tensor lands in exactly one parameter, none missing
     assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == num_layers
-    for key, typ in [("vocab_size", int), ("draft_vocab_size", int), ("target_hidden_size", int), ("hidden_size", int),
-                     ("norm_before_residual", bool), ("eagle_aux_hidden_state_layer_ids", list)]:
+    for key, typ in [
+        ("vocab_size", int),
+        ("draft_vocab_size", int),
+        ("target_hidden_size", int),
+        ("hidden_size", int),
+        ("norm_before_residual", bool),
+        ("eagle_aux_hidden_state_layer_ids", list),
+    ]:
         assert isinstance(c[key], typ), key
     assert c["vocab_size"] == 384 and c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert "embed_tokens.weight" not in tensors  # both engines share the target's embedding
@@ -119,10 +152,18 @@ def test_sglang_contract_and_refusal(target4, tmp_path):
     out = _export(target4, tmp_path, path)
     c = json.loads((out / "eagle3" / "config.json").read_text())
     tensors = load_file(str(out / "eagle3" / "model.safetensors"))
-    known = {f"midlayer.{n}.weight" for n in SGLANG_LAYER} | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    known = {f"midlayer.{n}.weight" for n in SGLANG_LAYER} | {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    }
     assert set(tensors) == known  # SGLang skips unknown names silently: there must be none
     assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * c["hidden_size"]
-    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]]
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]
+    ]
     assert c["norm_before_residual"] is False
     # a 2-layer drafter: written for vLLM only, with the reason
     model2, path2 = _drafter(target4, tmp_path, num_layers=2)
@@ -203,8 +244,12 @@ def test_speculators_reference_class_loads_the_export(target4, tmp_path):
     logits = []
     hook = theirs.lm_head.register_forward_hook(lambda _m, _i, o: logits.append(o))
     with torch.no_grad():  # their step 0 consumes the next tokens directly; positions start at 1 (RoPE is relative)
-        theirs(hidden_states=aux, input_ids=torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], 1),
-               document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=3)
+        theirs(
+            hidden_states=aux,
+            input_ids=torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], 1),
+            document_ids=torch.zeros(1, T, dtype=torch.long),
+            ttt_steps=3,
+        )
         ours = model.eval().ttt_forward(aux, ids, 3)
     hook.remove()
     for i in range(3):
@@ -219,11 +264,22 @@ def _dspark(target_dir, tmp_path, aux=(1, 2, 3, 4), D=200):
 
     tcfg = AutoConfig.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir)
-    d2t, t2d = select_draft_vocab(torch.randint(0, 100, (tcfg.vocab_size,), generator=torch.Generator().manual_seed(0)), D)
+    d2t, t2d = select_draft_vocab(
+        torch.randint(0, 100, (tcfg.vocab_size,), generator=torch.Generator().manual_seed(0)), D
+    )
     torch.manual_seed(0)
-    model = DSparkDrafter.from_target(tcfg, list(aux), D, target.get_input_embeddings().weight.detach(), d2t, t2d,
-                                      head_weight=target.get_output_embeddings().weight.detach(), block_size=4,
-                                      num_layers=2, markov_rank=16)
+    model = DSparkDrafter.from_target(
+        tcfg,
+        list(aux),
+        D,
+        target.get_input_embeddings().weight.detach(),
+        d2t,
+        t2d,
+        head_weight=target.get_output_embeddings().weight.detach(),
+        block_size=4,
+        num_layers=2,
+        markov_rank=16,
+    )
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:

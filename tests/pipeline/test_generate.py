@@ -39,8 +39,18 @@ def _cfg(tmp_path, target, *overrides, name="run"):
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in _convs()))
-    return load_config(None, [f"run_dir={tmp_path / name}", f"model.target={target}", f"data.sources=[{{path: {data}}}]",
-                              "generate.max_new_tokens=10", "generate.batch_size=4", "generate.chunk_size=2", *overrides])
+    return load_config(
+        None,
+        [
+            f"run_dir={tmp_path / name}",
+            f"model.target={target}",
+            f"data.sources=[{{path: {data}}}]",
+            "generate.max_new_tokens=10",
+            "generate.batch_size=4",
+            "generate.chunk_size=2",
+            *overrides,
+        ],
+    )
 
 
 def test_cut_at_stop():
@@ -62,7 +72,7 @@ def test_batched_greedy_equals_unbatched_float64(tiny_tok):
         ids = list(p)
         for _ in range(len(c.token_ids)):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-        assert ids[len(p):] == c.token_ids
+        assert ids[len(p) :] == c.token_ids
 
 
 def test_multi_turn_model_sees_its_own_answers(tmp_path, tiny_target_dir, tiny_tok, monkeypatch):
@@ -78,7 +88,10 @@ def test_multi_turn_model_sees_its_own_answers(tmp_path, tiny_target_dir, tiny_t
     cfg = _cfg(tmp_path, tiny_target_dir)
     run_prepare(cfg)
     manifest, rows = read_records(gen_stage.run_generate(cfg), "generated")
-    assert manifest["records"] == len(PROMPTS) and manifest["counts"]["finish_length"] + manifest["counts"].get("finish_stop", 0) == 9
+    assert (
+        manifest["records"] == len(PROMPTS)
+        and manifest["counts"]["finish_length"] + manifest["counts"].get("finish_stop", 0) == 9
+    )
     _, eot = tiny_tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     for r in rows:
         answers = [m for m in r["messages"] if m["role"] == "assistant"]
@@ -91,7 +104,9 @@ def test_multi_turn_model_sees_its_own_answers(tmp_path, tiny_target_dir, tiny_t
             # the second prompt starts with the first prompt + the model's own first answer
             first_prompt = prompt_ids(tiny_tok, r["messages"][:1])
             second_prompt = prompt_ids(tiny_tok, r["messages"][:3])
-            assert second_prompt[: len(first_prompt) + len(answers[0]["token_ids"]) + 1] == first_prompt + answers[0]["token_ids"] + [eot]
+            assert second_prompt[: len(first_prompt) + len(answers[0]["token_ids"]) + 1] == first_prompt + answers[0][
+                "token_ids"
+            ] + [eot]
             assert (second_prompt, answers[1]["token_ids"]) in seen
 
 
@@ -148,7 +163,10 @@ def test_resume_after_kill_gives_the_same_records(tmp_path, tiny_target_dir, mon
     monkeypatch.setattr(gen_stage, "answer_conversations", counting_answer)
     _, resumed = read_records(gen_stage.run_generate(cfg), "generated")
     assert len(resumed_chunks) == 1  # only the unfinished chunk was generated again
-    key = lambda r: r["id"]
+
+    def key(r):
+        return r["id"]
+
     assert sorted(resumed, key=key) == sorted(reference, key=key)
 
 
@@ -169,9 +187,19 @@ def test_refuses_mismatched_settings_and_targets(tmp_path, tiny_target_dir):
 
 
 def test_dataset_free_bootstrap_by_self_synthesis(tmp_path, tiny_target_dir, tiny_tok):
-    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.target={tiny_target_dir}",
-                             "generate.synthesize=4", "generate.synth.round_size=32", "generate.synth.max_new_tokens=12",
-                             "generate.synth.min_chars=3", "generate.max_new_tokens=6", "generate.chunk_size=3"])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.target={tiny_target_dir}",
+            "generate.synthesize=4",
+            "generate.synth.round_size=32",
+            "generate.synth.max_new_tokens=12",
+            "generate.synth.min_chars=3",
+            "generate.max_new_tokens=6",
+            "generate.chunk_size=3",
+        ],
+    )
     manifest, rows = read_records(gen_stage.run_generate(cfg), "generated")
     assert manifest["records"] == 4 and manifest["synthesis"]["accepted"] == 4
     assert manifest["synthesis"]["candidates"] == sum(v for k, v in manifest["synthesis"].items() if k != "candidates")
@@ -198,8 +226,16 @@ def test_synthesis_openers_start_each_candidate(tmp_path, tiny_tok):
     from draftsmith.data.generation import Completion
 
     openers = ["Write a Python function that", "Imagine you are"]
-    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "generate.synthesize=5", "generate.synth.round_size=4",
-                             "generate.synth.min_chars=3", f"generate.synth.openers={json.dumps(openers)}"])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "generate.synthesize=5",
+            "generate.synth.round_size=4",
+            "generate.synth.min_chars=3",
+            f"generate.synth.openers={json.dumps(openers)}",
+        ],
+    )
     seen = []
 
     class Recorder:
@@ -208,8 +244,10 @@ def test_synthesis_openers_start_each_candidate(tmp_path, tiny_tok):
         def generate(self, prompts, sampling, seed):
             start = len(seen)
             seen.extend(list(p) for p in prompts)
-            return [Completion(tiny_tok(f" case {start + j} sorted", add_special_tokens=False)["input_ids"], "stop")
-                    for j in range(len(prompts))]
+            return [
+                Completion(tiny_tok(f" case {start + j} sorted", add_special_tokens=False)["input_ids"], "stop")
+                for j in range(len(prompts))
+            ]
 
     convs, counts = gen_stage.synthesize_prompts(Recorder(), tiny_tok, cfg, tmp_path / "synth", PartialState())
     header = user_header(tiny_tok)

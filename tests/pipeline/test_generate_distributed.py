@@ -14,10 +14,15 @@ from draftsmith.pipeline.prepare import run_prepare
 
 def test_two_ranks_produce_the_same_records_as_one(tmp_path, tiny_target_dir):
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(
-        json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"Question {i} about the sum of numbers?"}]}) + "\n"
-        for i in range(7)
-    ))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {"id": f"c{i}", "messages": [{"role": "user", "content": f"Question {i} about the sum of numbers?"}]}
+            )
+            + "\n"
+            for i in range(7)
+        )
+    )
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         f"model: {{target: {tiny_target_dir}}}\n"
@@ -33,9 +38,23 @@ def test_two_ranks_produce_the_same_records_as_one(tmp_path, tiny_target_dir):
     run_prepare(two)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "draftsmith", "generate", str(recipe), f"run_dir={tmp_path / 'two'}"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "draftsmith",
+            "generate",
+            str(recipe),
+            f"run_dir={tmp_path / 'two'}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 rank(s)" in proc.stderr
@@ -44,5 +63,8 @@ def test_two_ranks_produce_the_same_records_as_one(tmp_path, tiny_target_dir):
     # both ranks wrote synthesis rounds and chunks
     assert len(list((out / "synth").glob("round-*.jsonl"))) >= 2
     assert manifest["records"] == 10
-    key = lambda r: r["id"]
+
+    def key(r):
+        return r["id"]
+
     assert sorted(double, key=key) == sorted(single, key=key)

@@ -26,9 +26,18 @@ MiB = 2**20
 
 @pytest.fixture
 def plan_a(tiny_target_dir):
-    cfg = load_config(None, [f"model.target={tiny_target_dir}", "collect.aux_layer_ids=[0,1,2]", "collect.dtype=float32",
-                             "train.batch_tokens=160", "train.ttt_steps=3", "train.draft_vocab_size=256",
-                             "train.mixed_precision='no'"])
+    cfg = load_config(
+        None,
+        [
+            f"model.target={tiny_target_dir}",
+            "collect.aux_layer_ids=[0,1,2]",
+            "collect.dtype=float32",
+            "train.batch_tokens=160",
+            "train.ttt_steps=3",
+            "train.draft_vocab_size=256",
+            "train.mixed_precision='no'",
+        ],
+    )
     return make_plan(cfg, tokens=10_000, world=1)
 
 
@@ -99,18 +108,30 @@ def test_dspark_formula_counts_the_real_module(tiny_target_dir):
 
     config = AutoConfig.from_pretrained(tiny_target_dir)
     d2t, t2d = select_draft_vocab(torch.arange(384), 256)
-    model = DSparkDrafter.from_target(config, [0, 1, 2], 256, torch.zeros(384, 64), d2t, t2d, torch.zeros(384, 64),
-                                      num_layers=2, markov_rank=16)
-    p = dspark_params(DrafterShape("dspark", 64, 2, 4, 2, 16, 128, 3, 256, 384, markov_rank=16, block_size=4, anchors=8))
+    model = DSparkDrafter.from_target(
+        config, [0, 1, 2], 256, torch.zeros(384, 64), d2t, t2d, torch.zeros(384, 64), num_layers=2, markov_rank=16
+    )
+    p = dspark_params(
+        DrafterShape("dspark", 64, 2, 4, 2, 16, 128, 3, 256, 384, markov_rank=16, block_size=4, anchors=8)
+    )
     assert p.trainable == sum(t.numel() for t in model.parameters() if t.requires_grad)
     assert p.frozen == sum(t.numel() for t in model.parameters() if not t.requires_grad)
 
 
 # ------------------------------------------------------------------------ B: hand-written Llama config
 
-LLAMA_B = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16,
-           "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 2816, "vocab_size": 32000,
-           "max_position_embeddings": 4096, "tie_word_embeddings": False}
+LLAMA_B = {
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 2816,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture
@@ -121,12 +142,27 @@ def plan_b(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_B))
     ds = Path(__file__).resolve().parents[2] / "launch" / "ds_zero2.json"
-    cfg = load_config(None, [
-        "model.target=org/llama-b", "model.zero3=gpu", "collect.aux_layer_ids=[2,6,10,14]", "train.features=online",
-        "train.drafters=[eagle3,dspark]", f"train.deepspeed={ds}", "train.batch_tokens=4096", "train.ttt_steps=7",
-        "train.draft_vocab_size=8000", "train.gradient_checkpointing=true", "data.max_length=2048",
-        "train.dspark.block_size=8", "train.dspark.num_layers=2", "train.dspark.markov_rank=128",
-        "train.dspark.anchors_per_sequence=64", "train.dspark.aux_layer_ids=[2,14]"])
+    cfg = load_config(
+        None,
+        [
+            "model.target=org/llama-b",
+            "model.zero3=gpu",
+            "collect.aux_layer_ids=[2,6,10,14]",
+            "train.features=online",
+            "train.drafters=[eagle3,dspark]",
+            f"train.deepspeed={ds}",
+            "train.batch_tokens=4096",
+            "train.ttt_steps=7",
+            "train.draft_vocab_size=8000",
+            "train.gradient_checkpointing=true",
+            "data.max_length=2048",
+            "train.dspark.block_size=8",
+            "train.dspark.num_layers=2",
+            "train.dspark.markov_rank=128",
+            "train.dspark.anchors_per_sequence=64",
+            "train.dspark.aux_layer_ids=[2,14]",
+        ],
+    )
     config = load_target_config(cfg, str(tmp_path / "config.json"))
     return make_plan(cfg, target_config=config, records=1000, world=8)
 
@@ -151,7 +187,9 @@ def test_b_eagle3(plan_b):
     m = d["memory_bytes"]
     # ZeRO-2 bf16 over 8: weights 2 B, frozen 2 B, gradients 2/8 B, master + moments 12/8 B
     assert m["drafter weights"] == 51_520_514 and m["frozen drafter weights"] == 65_536_000
-    assert m["gradients"] == pytest.approx(6_440_064.25) and m["optimizer (master + moments)"] == pytest.approx(38_640_385.5)
+    assert m["gradients"] == pytest.approx(6_440_064.25) and m["optimizer (master + moments)"] == pytest.approx(
+        38_640_385.5
+    )
     # checkpointed unroll, T=4096, S=2048, a=2, k=7 (online: no stored features):
     #   inputs 4096*1024*2 + 4096*8000*4 = 139,460,608
     #   kept step inputs + k/v: 7*4096*2*(2048 + 512) = 146,800,640
@@ -202,7 +240,9 @@ def test_b_dspark(plan_b):
 def test_zero_stages_and_offload_partition_the_optimizer(tiny_target_dir):
     """The same drafter under each ZeRO stage on 8 ranks, bf16: the per-rank bytes per trainable parameter are
     16 (DDP: fp32 weights + grads + moments), 2+2+12/8, 2+2/8+12/8, 2/8+2/8+12/8."""
-    cfg = load_config(None, [f"model.target={tiny_target_dir}", "collect.aux_layer_ids=[0,1,2]", "train.draft_vocab_size=256"])
+    cfg = load_config(
+        None, [f"model.target={tiny_target_dir}", "collect.aux_layer_ids=[0,1,2]", "train.draft_vocab_size=256"]
+    )
     per_param = {}
     for stage in (0, 1, 2, 3):
         m = make_plan(cfg, tokens=1, world=8, zero_stage=stage).drafters[0]["memory_bytes"]
@@ -212,8 +252,24 @@ def test_zero_stages_and_offload_partition_the_optimizer(tiny_target_dir):
 
 def test_plan_command(tiny_target_dir, tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["plan", "configs/smollm2-eagle3.yaml", f"model.target={tiny_target_dir}", "collect.aux_layer_ids=[0,1,2]",
-                 "--tokens", "1000", "--world-size", "2", "--json", str(out), f"run_dir={tmp_path / 'run'}"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "configs/smollm2-eagle3.yaml",
+                f"model.target={tiny_target_dir}",
+                "collect.aux_layer_ids=[0,1,2]",
+                "--tokens",
+                "1000",
+                "--world-size",
+                "2",
+                "--json",
+                str(out),
+                f"run_dir={tmp_path / 'run'}",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     text = captured.out + captured.err  # the console writes to stderr
     assert "bytes/token" in text and "GPU memory per rank" in text and "FLOPs per training token" in text
@@ -222,6 +278,8 @@ def test_plan_command(tiny_target_dir, tmp_path, capsys):
 
 
 def test_hub_target_without_config_is_a_clear_error(tmp_path, capsys):
-    assert main(["plan", "configs/smollm2-eagle3.yaml", "model.target=nobody/unknown-model", f"run_dir={tmp_path}"]) == 2
+    assert (
+        main(["plan", "configs/smollm2-eagle3.yaml", "model.target=nobody/unknown-model", f"run_dir={tmp_path}"]) == 2
+    )
     captured = capsys.readouterr()
     assert "--target-config" in captured.out + captured.err

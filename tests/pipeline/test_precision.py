@@ -29,14 +29,17 @@ def cpu_kind(monkeypatch):
     return pretend
 
 
-@pytest.mark.parametrize("flags, capability, onednn, native", [
-    ((), "AVX2", False, False),                       # AMD EPYC / older Intel: AVX2 only
-    ((), "AVX512", True, False),                      # Skylake-SP: AVX-512 but no bf16 instructions
-    (("avx512_bf16",), "AVX512", True, True),         # Cooper Lake / Zen 4
-    (("avx512_bf16", "amx_tile"), "AVX512", True, True),  # Sapphire Rapids
-    (("avx512_bf16", "amx_tile"), "AVX2", True, False),   # ATEN_CPU_CAPABILITY=avx2
-    (("avx512_bf16", "amx_tile"), "AVX512", False, False),  # ONEDNN_MAX_CPU_ISA=AVX2
-])
+@pytest.mark.parametrize(
+    "flags, capability, onednn, native",
+    [
+        ((), "AVX2", False, False),  # AMD EPYC / older Intel: AVX2 only
+        ((), "AVX512", True, False),  # Skylake-SP: AVX-512 but no bf16 instructions
+        (("avx512_bf16",), "AVX512", True, True),  # Cooper Lake / Zen 4
+        (("avx512_bf16", "amx_tile"), "AVX512", True, True),  # Sapphire Rapids
+        (("avx512_bf16", "amx_tile"), "AVX2", True, False),  # ATEN_CPU_CAPABILITY=avx2
+        (("avx512_bf16", "amx_tile"), "AVX512", False, False),  # ONEDNN_MAX_CPU_ISA=AVX2
+    ],
+)
 def test_auto_is_bf16_only_on_cpus_with_native_bf16(cpu_kind, caplog, flags, capability, onednn, native):
     cpu_kind(flags, capability, onednn)
     expected = torch.bfloat16 if native else torch.float32
@@ -85,8 +88,13 @@ def test_torchs_own_switches_are_read_for_real():
     """Not a pretend CPU: a fresh interpreter with torch pinned to AVX2 kernels must never pick bf16."""
     env = {k: v for k, v in os.environ.items() if k != precision.ENV}
     env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
-    out = subprocess.run([sys.executable, "-c", "from draftsmith.pipeline.precision import cpu_bf16; print(cpu_bf16())"],
-                         env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", "from draftsmith.pipeline.precision import cpu_bf16; print(cpu_bf16())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.startswith("(False, "), out
 
 

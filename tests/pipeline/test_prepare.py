@@ -11,12 +11,15 @@ from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.prepare import run_prepare
 
 CONVS = [
-    {"id": f"c{i}", "messages": [
-        {"role": "user", "content": f"Question {i}: what is the sum of {i} and {i + 1}?"},
-        {"role": "assistant", "content": f"The sum is {2 * i + 1}."},
-        {"role": "user", "content": "Explain why."},
-        {"role": "assistant", "content": "Because adding one more gives the next number."},
-    ]}
+    {
+        "id": f"c{i}",
+        "messages": [
+            {"role": "user", "content": f"Question {i}: what is the sum of {i} and {i + 1}?"},
+            {"role": "assistant", "content": f"The sum is {2 * i + 1}."},
+            {"role": "user", "content": "Explain why."},
+            {"role": "assistant", "content": "Because adding one more gives the next number."},
+        ],
+    }
     for i in range(30)
 ] + [{"id": "p0", "prompt": "Plan a travel day."}]
 
@@ -29,8 +32,15 @@ def _data(tmp_path, records=CONVS):
 
 
 def _cfg(tmp_path, target, *overrides):
-    return load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.target={target}",
-                              f"data.sources=[{{path: {_data(tmp_path)}}}]", *overrides])
+    return load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.target={target}",
+            f"data.sources=[{{path: {_data(tmp_path)}}}]",
+            *overrides,
+        ],
+    )
 
 
 def test_prepare_writes_complete_artifact(tmp_path, tiny_target_dir, tiny_tok):
@@ -52,8 +62,15 @@ def test_prepare_writes_complete_artifact(tmp_path, tiny_target_dir, tiny_tok):
 def test_holdout_split_is_stable_and_order_independent(tmp_path, tiny_target_dir):
     a = read_records(run_prepare(_cfg(tmp_path / "a", tiny_target_dir, "data.holdout_fraction=0.3")), "prepared")[1]
     path = _data(tmp_path / "b", list(reversed(CONVS)))
-    cfg = load_config(None, [f"run_dir={tmp_path / 'b' / 'run'}", f"model.target={tiny_target_dir}",
-                             f"data.sources=[{{path: {path}}}]", "data.holdout_fraction=0.3"])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'b' / 'run'}",
+            f"model.target={tiny_target_dir}",
+            f"data.sources=[{{path: {path}}}]",
+            "data.holdout_fraction=0.3",
+        ],
+    )
     b = read_records(run_prepare(cfg), "prepared")[1]
     assert {r["id"]: r["split"] for r in a} == {r["id"]: r["split"] for r in b}
     assert 0 < sum(r["split"] == "holdout" for r in a) < len(a)
@@ -86,7 +103,9 @@ def test_overlong_truncate_and_skip_are_counted(tmp_path, tiny_target_dir, tiny_
 def test_dataset_that_yields_nothing_is_an_error(tmp_path, tiny_target_dir):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "no schema"}\n{oops\n')
-    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.target={tiny_target_dir}", f"data.sources=[{{path: {path}}}]"])
+    cfg = load_config(
+        None, [f"run_dir={tmp_path / 'run'}", f"model.target={tiny_target_dir}", f"data.sources=[{{path: {path}}}]"]
+    )
     with pytest.raises(StageError, match="no usable record"):
         run_prepare(cfg)
     assert not (tmp_path / "run" / "prepared" / "manifest.json").exists()
@@ -116,8 +135,11 @@ def test_undecodable_input_is_reported_not_a_traceback(tmp_path, tiny_target_dir
     """A Latin-1 file (every line undecodable as UTF-8) through the CLI: a counted skip per record, then the
     'no usable record' error with the counts, exit status 1, and no partial artifact."""
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes("".join(json.dumps({"id": f"r{i}", "prompt": f"caf\u00e9 {i}"}, ensure_ascii=False) + "\n"
-                             for i in range(3)).encode("latin-1"))
+    path.write_bytes(
+        "".join(
+            json.dumps({"id": f"r{i}", "prompt": f"caf\u00e9 {i}"}, ensure_ascii=False) + "\n" for i in range(3)
+        ).encode("latin-1")
+    )
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {{target: {tiny_target_dir}}}\ndata: {{sources: [{{path: {path}}}]}}\n")
     assert main(["prepare", str(recipe), f"run_dir={tmp_path / 'run'}"]) == 2

@@ -20,8 +20,19 @@ def tiny_recipe(tmp_path):
     """A run recipe over a 4-layer tiny target: file prompts plus self-synthesis, both drafter families."""
     target = save_tiny_target(tmp_path / "target", seed=0, num_layers=4)
     prompts = tmp_path / "eval.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"e{i}", "prompt": f"Question {i}: explain the sum of numbers.",
-                                           "topic": ["math", "chat"][i % 2]}) + "\n" for i in range(24)))
+    prompts.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"e{i}",
+                    "prompt": f"Question {i}: explain the sum of numbers.",
+                    "topic": ["math", "chat"][i % 2],
+                }
+            )
+            + "\n"
+            for i in range(24)
+        )
+    )
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(f"""
 name: tiny
@@ -44,8 +55,15 @@ def test_run_end_to_end_and_resume(tmp_path, tiny_recipe):
     started = time.perf_counter()
     assert main(["run", str(recipe), f"run_dir={run}"]) == 0
     first = time.perf_counter() - started
-    for artifact, kind in [("prepared", "prepared"), ("generated", "generated"), ("features", "features"), ("train/eagle3", "drafter"),
-                           ("train/dspark", "drafter"), ("eval", "eval"), ("export", "export")]:
+    for artifact, kind in [
+        ("prepared", "prepared"),
+        ("generated", "generated"),
+        ("features", "features"),
+        ("train/eagle3", "drafter"),
+        ("train/dspark", "drafter"),
+        ("eval", "eval"),
+        ("export", "export"),
+    ]:
         assert json.loads((run / artifact / "manifest.json").read_text())["kind"] == kind, artifact
     for family in ("eagle3", "dspark"):
         assert (run / "train" / family / "final" / "model.safetensors").is_file()
@@ -67,8 +85,19 @@ def test_run_end_to_end_and_resume(tmp_path, tiny_recipe):
     assert json.loads((run / "eval" / "eval.json").read_text()) == ev
     # both trained drafters decode batches of prompts too (rows accepting different lengths per round), here with
     # adaptive draft length (rows drafting different lengths per round)
-    assert main(["eval", str(recipe), f"run_dir={run}", "eval.batch_size=4", "eval.output=eval-batched",
-                 "eval.confidence_threshold=0.2"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(recipe),
+                f"run_dir={run}",
+                "eval.batch_size=4",
+                "eval.output=eval-batched",
+                "eval.confidence_threshold=0.2",
+            ]
+        )
+        == 0
+    )
     batched = json.loads((run / "eval-batched" / "eval.json").read_text())["runs"][0]
     assert batched["greedy_divergence"]["dspark"]["of"] == 24
     for family in ("eagle3", "dspark"):
@@ -94,14 +123,28 @@ def test_run_under_torchrun_shares_the_stages_out(tmp_path, tiny_recipe):
     the ranks, prepare and export are written once, one rank prints the summary; a second launch skips it all."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
     run = tmp_path / "run2"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "draftsmith",
-               "run", str(tiny_recipe), f"run_dir={run}", "train.epochs=10"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "draftsmith",
+        "run",
+        str(tiny_recipe),
+        f"run_dir={run}",
+        "train.epochs=10",
+    ]
     for attempt in ("first", "again"):
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         printed = proc.stdout + proc.stderr  # (the console writes to stderr)
         assert printed.count("draftsmith run: done") == 1, attempt
-    assert "prepare skipped, generate complete, collect complete, train skipped, eval skipped" in " ".join(printed.split())
+    assert "prepare skipped, generate complete, collect complete, train skipped, eval skipped" in " ".join(
+        printed.split()
+    )
     for artifact in ("prepared", "generated", "features", "train/eagle3", "train/dspark", "eval", "export"):
         assert (run / artifact / "manifest.json").is_file(), artifact
     ev = json.loads((run / "eval" / "eval.json").read_text())

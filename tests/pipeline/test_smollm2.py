@@ -13,7 +13,12 @@ def test_smollm2_prepare_and_generate(tmp_path):
     run = tmp_path / "run"
     common = ["run_dir=" + str(run), "data.sources=[{builtin: mtbench, limit: 3}]"]
     assert main(["prepare", "configs/smollm2-eagle3.yaml", *common]) == 0
-    gen = ["generate.max_new_tokens=24", "generate.synthesize=3", "generate.synth.round_size=8", "generate.chunk_size=4"]
+    gen = [
+        "generate.max_new_tokens=24",
+        "generate.synthesize=3",
+        "generate.synth.round_size=8",
+        "generate.chunk_size=4",
+    ]
     assert main(["generate", "configs/smollm2-eagle3.yaml", *common, *gen]) == 0
     manifest, rows = read_records(run / "generated", "generated")
     assert manifest["records"] == 6 and manifest["synthesis"]["accepted"] == 3

@@ -26,7 +26,11 @@ def test_local_dir_identity_changes_with_weights(tiny_target_dir, tmp_path):
 
 def test_hub_ids_and_bad_paths():
     spec = resolve_target(ModelConfig(target="meta-llama/Llama-3.1-8B-Instruct", revision="abc"))
-    assert spec.kind == "hub" and spec.identity() == {"name": "meta-llama/Llama-3.1-8B-Instruct", "kind": "hub", "revision": "abc"}
+    assert spec.kind == "hub" and spec.identity() == {
+        "name": "meta-llama/Llama-3.1-8B-Instruct",
+        "kind": "hub",
+        "revision": "abc",
+    }
     with pytest.raises(TargetError, match="GGUF file not found"):
         resolve_target(ModelConfig(target="/nonexistent/model.gguf"))
     with pytest.raises(TargetError, match="path not found"):
@@ -57,7 +61,8 @@ def test_tiny_factory_is_seeded():
 
 
 def test_missing_chat_template_is_refused(tiny_target_dir, tmp_path):
-    import shutil, json
+    import json
+    import shutil
 
     d = tmp_path / "no-template"
     shutil.copytree(tiny_target_dir, d)
@@ -86,4 +91,4 @@ def test_smollm2_gguf_loads_dense_and_answers():
     assert type(t.model.model.layers[0].mlp.up_proj) is torch.nn.Linear
     ids = prompt_ids(t.tokenizer, [{"role": "user", "content": "What is 2+2?"}])
     out = t.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-    assert "4" in t.tokenizer.decode(out[0, len(ids):])
+    assert "4" in t.tokenizer.decode(out[0, len(ids) :])

@@ -27,13 +27,32 @@ def test_sharded_loads_compute_the_features_of_the_whole_model(tiny_target_dir, 
     """Under torchrun with 2 gloo ranks. (ZeRO-3 with the partitions on the device, model.zero3=gpu, is what
     tests/launch/test_multiprocess.py trains with end to end.)"""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(Path(__file__).parents[2]))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(WORKER), str(tiny_target_dir), str(tmp_path)], env=env, capture_output=True, text=True,
-                          check=False, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(WORKER),
+            str(tiny_target_dir),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [line.split() for rank in (0, 1) for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines()]
-    assert sorted((r[1], r[2]) for r in results) == [("tp", "rank=0"), ("tp", "rank=1"),
-                                                     ("zero3-cpu", "rank=0"), ("zero3-cpu", "rank=1")]
+    assert sorted((r[1], r[2]) for r in results) == [
+        ("tp", "rank=0"),
+        ("tp", "rank=1"),
+        ("zero3-cpu", "rank=0"),
+        ("zero3-cpu", "rank=1"),
+    ]
     for _, label, _, weights, diff in results:
         assert weights == "weights_equal=True", label
         bound = 0.0 if label.startswith("zero3") else 1e-4  # TP sums partial products in another order

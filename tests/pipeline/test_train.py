@@ -23,7 +23,6 @@ from draftsmith.pipeline.tiny import save_tiny_target
 WORKER = Path(__file__).with_name("train_worker.py")
 
 
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, write_chats):
     """A tiny 4-layer target with prepared data and an fp32 feature store, shared by the tests (copied per test)."""
@@ -31,9 +30,19 @@ def workspace(tmp_path_factory, write_chats):
     target = save_tiny_target(root / "target", seed=0, num_layers=4)
     data = root / "chat.jsonl"
     write_chats(data, 16)
-    base = [f"model.target={target}", f"data.sources=[{{path: {data}}}]", "data.holdout_fraction=0.25",
-            "collect.aux_layer_ids=[1,2,3]", "collect.dtype=float32", "train.batch_tokens=160", "train.ttt_steps=3",
-            "train.log_every=1", "train.eval_every=1000", "train.save_every=1000", "train.draft_vocab_size=384"]
+    base = [
+        f"model.target={target}",
+        f"data.sources=[{{path: {data}}}]",
+        "data.holdout_fraction=0.25",
+        "collect.aux_layer_ids=[1,2,3]",
+        "collect.dtype=float32",
+        "train.batch_tokens=160",
+        "train.ttt_steps=3",
+        "train.log_every=1",
+        "train.eval_every=1000",
+        "train.save_every=1000",
+        "train.draft_vocab_size=384",
+    ]
     cfg = load_config(None, [f"run_dir={root / 'run'}", *base])
     run_prepare(cfg)
     run_collect(cfg)
@@ -57,11 +66,23 @@ def test_overfits_a_small_set(workspace, tmp_path, write_chats):
     root, base = workspace
     data = tmp_path / "six.jsonl"
     write_chats(data, 6)
-    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", *base, f"data.sources=[{{path: {data}}}]",
-                             "data.holdout_fraction=0", "train.batch_tokens=512", "train.ttt_steps=2", "train.lr=5e-3",
-                             "train.epochs=900", "train.log_every=50", "train.temperature=0",
-                             # a random tiny target's head rows are no help; a random head overfits this set fastest
-                             "train.init_head_from_target=false"])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            *base,
+            f"data.sources=[{{path: {data}}}]",
+            "data.holdout_fraction=0",
+            "train.batch_tokens=512",
+            "train.ttt_steps=2",
+            "train.lr=5e-3",
+            "train.epochs=900",
+            "train.log_every=50",
+            "train.temperature=0",
+            # a random tiny target's head rows are no help; a random head overfits this set fastest
+            "train.init_head_from_target=false",
+        ],
+    )
     run_prepare(cfg)
     run_collect(cfg)
     out = train_stage.run_train(cfg) / "eagle3"
@@ -108,9 +129,24 @@ def test_resume_is_exact(workspace, tmp_path, monkeypatch):
 
 def _torchrun(recipe, out, env_extra, *overrides):
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(WORKER), str(recipe), str(out), *overrides], env=env, capture_output=True, text=True,
-                          timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(WORKER),
+            str(recipe),
+            str(out),
+            *overrides,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 
@@ -120,7 +156,7 @@ def test_two_ranks_ddp_and_deepspeed_zero2_match_one_process(workspace, tmp_path
     single = _cfg(workspace, tmp_path / "single", *common, "train.gradient_accumulation=2")
     train_stage.run_train(single)
     ref = load_file(str(single.run_path / "train" / "eagle3" / "final" / "model.safetensors"))
-    ref_losses = [l for _, l in _losses(single.run_path)]
+    ref_losses = [loss for _, loss in _losses(single.run_path)]
 
     for name, extra_env, extra in [
         ("ddp", {}, []),
@@ -136,7 +172,7 @@ def test_two_ranks_ddp_and_deepspeed_zero2_match_one_process(workspace, tmp_path
         for k in r0:
             assert torch.equal(r0[k], r1[k]), f"{name}: ranks diverged on {k}"
             torch.testing.assert_close(r0[k], ref[f"{k}"], atol=2e-5, rtol=1e-4, msg=f"{name} vs single process: {k}")
-        losses = [l for _, l in _losses(cfg.run_path)]
+        losses = [loss for _, loss in _losses(cfg.run_path)]
         assert len(losses) == len(ref_losses)
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) < 1e-4 * abs(b), (name, losses, ref_losses)
@@ -149,8 +185,12 @@ def test_deepspeed_bf16_with_wandb_saves_fp32_and_keeps_the_process_group(worksp
     cfg = _cfg(workspace, tmp_path / "ds", "train.max_steps=2", "train.report_to=wandb", "train.mixed_precision=bf16")
     recipe = tmp_path / "ds.yaml"
     recipe.write_text(json.dumps(cfg.dump()))
-    stdout = _torchrun(recipe, tmp_path / "ds", {"DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
-                       f"train.deepspeed={Path('launch/ds_zero2.json').resolve()}")
+    stdout = _torchrun(
+        recipe,
+        tmp_path / "ds",
+        {"DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        f"train.deepspeed={Path('launch/ds_zero2.json').resolve()}",
+    )
     assert "WORLD 2 DeepSpeedEngine" in stdout
     saved = load_file(str(cfg.run_path / "train" / "eagle3" / "final" / "model.safetensors"))
     assert {t.dtype for k, t in saved.items() if t.is_floating_point()} == {torch.float32}
@@ -163,7 +203,9 @@ def test_a_rank_that_could_never_step_is_refused(workspace, tmp_path):
         train_stage.run_train(_cfg(workspace, tmp_path / "epochs", "train.gradient_accumulation=64", "train.epochs=1"))
     assert not (tmp_path / "epochs" / "run" / "train" / "eagle3" / "final").exists()
     with pytest.raises(StageError, match="never step"):
-        train_stage.run_train(_cfg(workspace, tmp_path / "steps", "train.gradient_accumulation=64", "train.max_steps=2"))
+        train_stage.run_train(
+            _cfg(workspace, tmp_path / "steps", "train.gradient_accumulation=64", "train.max_steps=2")
+        )
 
 
 def test_online_features_train_like_offline(workspace, tmp_path):
