@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from draftsmith.pipeline.config import SourceConfig
+from draftsmith.data.config import SourceConfig
+from draftsmith.data.packaged import PackagedFileError, distribution_file
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,9 @@ HUB_BUILTINS = {
 
 
 def _package_file(dist: str, suffix: str) -> Path:
-    from draftsmith.pipeline.target import TargetError, distribution_file
-
     try:
         return distribution_file(dist, suffix)
-    except TargetError as exc:
+    except PackagedFileError as exc:
         raise SourceError(str(exc)) from exc
 
 

@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from draftsmith.drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
-from draftsmith.drafters.eagle3 import KVCache, _repeat_kv
+from draftsmith.drafters.eagle3 import KVCache, repeat_kv
 
 
 @dataclass
@@ -99,8 +99,8 @@ class DSparkAttention(nn.Module):
         q = _rope(q, cos, sin)
         k, v = self.kv(x, cos, sin)
         groups = self.heads // self.kv_heads
-        keys = _repeat_kv(torch.cat([ctx_k, k], dim=2), groups)
-        values = _repeat_kv(torch.cat([ctx_v, v], dim=2), groups)
+        keys = repeat_kv(torch.cat([ctx_k, k], dim=2), groups)
+        values = repeat_kv(torch.cat([ctx_v, v], dim=2), groups)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.heads * self.head_dim))
 

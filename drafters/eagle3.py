@@ -80,7 +80,7 @@ class KVCache:
                 self.k[i], self.v[i] = self.k[i][:, :, :length], self.v[i][:, :, :length]
 
 
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
@@ -112,11 +112,11 @@ class Eagle3Attention(nn.Module):
         groups = self.heads // self.kv_heads
         scale = 1.0 / math.sqrt(self.head_dim)
         if not past:
-            out = F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), is_causal=True)
+            out = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True)
         else:
-            k0, v0 = _repeat_kv(past[0][0], groups), _repeat_kv(past[0][1], groups)
-            diag_k = torch.stack([_repeat_kv(kj, groups) for kj, _ in past[1:]] + [_repeat_kv(k, groups)], dim=3)
-            diag_v = torch.stack([_repeat_kv(vj, groups) for _, vj in past[1:]] + [_repeat_kv(v, groups)], dim=3)
+            k0, v0 = repeat_kv(past[0][0], groups), repeat_kv(past[0][1], groups)
+            diag_k = torch.stack([repeat_kv(kj, groups) for kj, _ in past[1:]] + [repeat_kv(k, groups)], dim=3)
+            diag_v = torch.stack([repeat_kv(vj, groups) for _, vj in past[1:]] + [repeat_kv(v, groups)], dim=3)
             causal = torch.matmul(q, k0.transpose(-1, -2)) * scale  # [B, h, T, T]
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             causal = causal.masked_fill(~mask, torch.finfo(causal.dtype).min)
@@ -154,7 +154,7 @@ class Eagle3Attention(nn.Module):
             own = torch.zeros(n, total, dtype=torch.bool, device=x.device)
             own[torch.arange(n), past_len + torch.arange(n)] = True
             mask = mask | (~mask.any(-1, keepdim=True) & own)
-        out = F.scaled_dot_product_attention(q, _repeat_kv(keys, groups), _repeat_kv(values, groups), attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, self.heads * self.head_dim))
 
 

@@ -15,8 +15,9 @@ import torch
 
 from draftsmith.data.features import AuxHooks, decoder_of
 from draftsmith.drafters.vocab import draft_to_target_ids
-from draftsmith.eval.engine import DecodeResult, _one_hot, clock
+from draftsmith.eval.engine import DecodeResult, clock
 from draftsmith.eval.sampling import SamplingParams, probs_from_logits, sample
+from draftsmith.eval.sampling import one_hot as _one_hot
 from draftsmith.eval.verify import end_round, greedy_verify, sampling_verify
 
 

@@ -3,6 +3,7 @@ way to the target and the drafter (the verifier's exactness is about these proce
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,13 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def one_hot(tokens: Sequence[int], vocab: int, device) -> torch.Tensor:
+    """[len(tokens), vocab]: deterministic (greedy) drafts as the proposal distribution q the verifier reads."""
+    q = torch.zeros(len(tokens), vocab, device=device)
+    q[torch.arange(len(tokens)), torch.tensor(list(tokens), dtype=torch.long)] = 1.0
+    return q
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

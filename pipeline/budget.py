@@ -134,8 +134,8 @@ def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512)
     from draftsmith.drafters.eagle3 import Eagle3Drafter
     from draftsmith.drafters.objectives import eagle3_objective
     from draftsmith.drafters.vocab import select_draft_vocab
+    from draftsmith.pipeline.families import family_settings
     from draftsmith.pipeline.precision import resolve_mixed_precision
-    from draftsmith.pipeline.train import family_settings
 
     device = next(model.parameters()).device
     tc = model.config

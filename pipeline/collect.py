@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.artifacts import check_same_target, read_records, write_manifest
+from draftsmith.data.artifacts import write_manifest
 from draftsmith.data.feature_store import (
     DTYPES,
     KIND,
@@ -34,36 +34,18 @@ from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console, counts_table
 from draftsmith.pipeline.dist import dist_state
 from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.inputs import input_records
 from draftsmith.pipeline.resume import PlanMismatch, start_or_resume
 from draftsmith.pipeline.target import load_target
 
 log = logging.getLogger(__name__)
 
 
-def input_records(cfg: RunConfig, identity: dict[str, Any]) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
-    """(kind, manifest, records with supervised tokens) of the records this run collects from."""
-    kinds = {"generated": ["generated"], "prepared": ["prepared"], "auto": ["generated", "prepared"]}[
-        cfg.collect.source
-    ]
-    for kind in kinds:
-        directory = cfg.run_path / kind
-        if (directory / "manifest.json").is_file():
-            manifest, rows = read_records(directory, kind)
-            check_same_target(manifest, identity, directory)
-            rows = [r for r in rows if r["num_supervised"] > 0]
-            if not rows:
-                raise StageError(
-                    f"{directory} has no record with assistant tokens (prompt-only data needs `draftsmith generate`)"
-                )
-            return kind, manifest, rows
-    raise StageError(
-        f"no {' or '.join(kinds)} records in {cfg.run_path}; run `draftsmith prepare` / `draftsmith generate` first"
-    )
-
-
 def shard_plan(lengths: list[int], shard_tokens: int) -> list[list[int]]:
     """Contiguous runs of samples holding about `shard_tokens` tokens each (at least one sample)."""
-    shards, current, tokens = [], [], 0
+    shards: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
     for i, n in enumerate(lengths):
         if current and tokens + n > shard_tokens:
             shards.append(current)

@@ -31,8 +31,8 @@ from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.dist import dist_state
 from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.inputs import trained_drafter
 from draftsmith.pipeline.target import load_target
-from draftsmith.pipeline.train import trained_drafter
 
 log = logging.getLogger(__name__)
 

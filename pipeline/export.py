@@ -38,8 +38,8 @@ from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.dist import single_writer
 from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.inputs import trained_drafter
 from draftsmith.pipeline.target import load_config_of, load_head_weights, resolve_target
-from draftsmith.pipeline.train import trained_drafter
 
 log = logging.getLogger(__name__)
 

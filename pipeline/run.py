@@ -107,9 +107,9 @@ def run_all(cfg: RunConfig) -> Path:
                 continue
         elif stage == "train":
             from draftsmith.pipeline.errors import StageError
-            from draftsmith.pipeline.train import train_dir
+            from draftsmith.pipeline.inputs import train_dir
 
-            todo = []
+            todo: list[str] = []
             for family in cfg.train.drafters:
                 out = train_dir(cfg, family)
                 if (out / "manifest.json").is_file():

@@ -8,7 +8,6 @@ every artifact manifest so later stages can refuse artifacts made from another t
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.data.packaged import PackagedFileError, distribution_file
 from draftsmith.pipeline.config import ModelConfig
 from draftsmith.pipeline.precision import resolve_dtype
 
@@ -32,23 +32,6 @@ BUNDLED_ALIASES = {
 
 class TargetError(ValueError):
     """The target cannot be located or loaded."""
-
-
-def distribution_file(dist: str, suffix: str) -> Path:
-    """The single installed file of distribution `dist` whose path ends with `suffix`."""
-    try:
-        files = importlib.metadata.distribution(dist).files or []
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise TargetError(
-            f"package '{dist}' is not installed; run `make install` (it installs requirements-assets.txt)"
-        ) from exc
-    hits = [f for f in files if str(f).endswith(suffix)]
-    if len(hits) != 1:
-        raise TargetError(f"expected one file ending in {suffix!r} in package '{dist}', found {len(hits)}")
-    path = Path(hits[0].locate())
-    if not path.is_file():
-        raise TargetError(f"package '{dist}' lists {hits[0]} but it is missing on disk ({path})")
-    return path
 
 
 # ------------------------------------------------------------------------------------------ identity
@@ -131,7 +114,10 @@ def resolve_target(cfg: ModelConfig) -> TargetSpec:
     target = cfg.target
     if target in BUNDLED_ALIASES:
         dist, suffix = BUNDLED_ALIASES[target]
-        f = distribution_file(dist, suffix)
+        try:
+            f = distribution_file(dist, suffix)
+        except PackagedFileError as exc:
+            raise TargetError(str(exc)) from exc
         return TargetSpec(target, "gguf", str(f.parent), f.name, None)
     p = Path(target).expanduser()
     if p.suffix == ".gguf":

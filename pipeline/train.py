@@ -30,13 +30,14 @@ from tqdm.auto import tqdm
 from draftsmith.data.artifacts import atomic_write_text, write_manifest
 from draftsmith.data.feature_store import FeatureStore
 from draftsmith.data.features import FeatureSource, OnlineFeatureSource, plan_batches, resolve_aux_ids
-from draftsmith.drafters.objectives import DSparkObjectiveSettings, ObjectiveSettings, summarize
+from draftsmith.drafters.objectives import summarize
 from draftsmith.drafters.registry import get_family
 from draftsmith.drafters.vocab import select_draft_vocab
-from draftsmith.pipeline.collect import input_records
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.families import family_settings
+from draftsmith.pipeline.inputs import input_records, train_dir
 from draftsmith.pipeline.precision import resolve_mixed_precision
 from draftsmith.pipeline.target import load_config_of, load_head_weights, load_target, resolve_target
 
@@ -99,61 +100,6 @@ class AuxSubset:
         batch = self.source.load_batch(indices)
         batch["aux"] = batch["aux"].index_select(-1, self.columns.to(batch["aux"].device))
         return batch
-
-
-def family_settings(cfg: RunConfig, family: str) -> dict[str, Any]:
-    """What differs per family: the objective settings, the constructor's shape arguments, the aux layers it
-    fuses (None: all captured), and its optimizer overrides."""
-    t = cfg.train
-    if family == "eagle3":
-        return {
-            "objective": ObjectiveSettings(
-                t.ttt_steps, t.step_decay, t.loss, t.temperature, t.confidence_weight, t.gradient_checkpointing
-            ),
-            "shape": dict(
-                num_layers=t.num_layers,
-                intermediate_size=t.intermediate_size,
-                num_attention_heads=t.num_attention_heads,
-                num_key_value_heads=t.num_key_value_heads,
-                head_dim=t.head_dim,
-            ),
-            "aux": None,
-            "lr": t.lr,
-            "epochs": t.epochs,
-            "max_steps": t.max_steps,
-        }
-    d = t.dspark
-    return {
-        "objective": DSparkObjectiveSettings(
-            d.block_size,
-            d.anchors_per_sequence,
-            d.ce_weight,
-            d.tv_weight,
-            d.bce_weight,
-            d.decay,
-            t.temperature,
-            d.sample_markov_inputs,
-            cfg.seed,
-        ),
-        "shape": dict(
-            num_layers=d.num_layers,
-            intermediate_size=d.intermediate_size,
-            num_attention_heads=d.num_attention_heads,
-            num_key_value_heads=d.num_key_value_heads,
-            head_dim=d.head_dim,
-            block_size=d.block_size,
-            markov_rank=d.markov_rank,
-            mask_token_id=d.mask_token_id,
-        ),
-        "aux": d.aux_layer_ids,
-        "lr": d.lr or t.lr,
-        "epochs": d.epochs or t.epochs,
-        "max_steps": d.max_steps or t.max_steps,
-    }
-
-
-def train_dir(cfg: RunConfig, family: str) -> Path:
-    return cfg.run_path / "train" / family
 
 
 def plan_epoch(
@@ -630,28 +576,6 @@ class Trainer:
 
 def _read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def trained_drafter(
-    cfg: RunConfig, identity: dict[str, Any], explicit: str | None = None, family: str | None = None
-) -> Path:
-    """The drafter directory later stages use (an explicit one, else RUN_DIR/train/<family>/best, else final),
-    refused when its training manifest says it was trained for another target."""
-    from draftsmith.data.artifacts import ArtifactError, check_same_target, read_manifest
-
-    if explicit:
-        path = Path(explicit)
-    else:
-        train = train_dir(cfg, family or cfg.train.drafters[0])
-        path = train / "best" if (train / "best" / "config.json").is_file() else train / "final"
-    if not (path / "config.json").is_file():
-        raise StageError(f"no trained drafter at {path}; run `draftsmith train` or pass --drafter DIR")
-    if (path.parent / "manifest.json").is_file():
-        try:
-            check_same_target(read_manifest(path.parent, "drafter"), identity, path)
-        except ArtifactError as exc:
-            raise StageError(str(exc)) from None
-    return path
 
 
 def run_train(cfg: RunConfig, resume: bool = False, families: list[str] | None = None) -> Path:

@@ -17,7 +17,7 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 @pytest.fixture(scope="session")
 def tiny_tok():
-    from draftsmith.pipeline.tiny import tiny_tokenizer
+    from tests.tiny import tiny_tokenizer
 
     return tiny_tokenizer(seed=0)
 
@@ -25,7 +25,7 @@ def tiny_tok():
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory):
     """A saved tiny target directory, usable as `model.target`."""
-    from draftsmith.pipeline.tiny import save_tiny_target
+    from tests.tiny import save_tiny_target
 
     return save_tiny_target(tmp_path_factory.mktemp("tiny-target"), seed=0, num_layers=2, hidden_size=64)
 

@@ -186,7 +186,7 @@ def _qwen3_pre(content: str, last: bool) -> str:
 
 
 def _tiny(template: str, bos: str | None = None, eos: str | None = None):
-    from draftsmith.pipeline.tiny import tiny_tokenizer
+    from tests.tiny import tiny_tokenizer
 
     tok = tiny_tokenizer(seed=0, chat_template=template)  # fresh: end_of_turn caches on the object
     if bos is not None:
@@ -215,7 +215,7 @@ def _make_family(name: str) -> Family:
     if name == "mistral":
         return Family(name, _tiny(MISTRAL_TEMPLATE, bos="<s>", eos="</s>"), "</s>", _as_is)
     if name == "chatml-tiny":
-        from draftsmith.pipeline.tiny import CHATML_TEMPLATE
+        from tests.tiny import CHATML_TEMPLATE
 
         return Family(name, _tiny(CHATML_TEMPLATE), "<|im_end|>", _as_is)
     if name == "smollm2":

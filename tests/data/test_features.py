@@ -12,7 +12,7 @@ from draftsmith.data.features import (
     right_pad,
     shard_for_rank,
 )
-from draftsmith.pipeline.tiny import tiny_llama
+from tests.tiny import tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
+from draftsmith.data.config import SourceConfig
 from draftsmith.data.sources import SourceError, iter_conversations
-from draftsmith.pipeline.config import SourceConfig
 
 GOOD = [
     {

@@ -10,7 +10,7 @@ from draftsmith.eval.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_tok):
-    from draftsmith.pipeline.tiny import tiny_llama
+    from tests.tiny import tiny_llama
 
     return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64)
 

@@ -19,7 +19,7 @@ from draftsmith.eval.tree import Tree
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_tok, test_device):
-    from draftsmith.pipeline.tiny import tiny_llama
+    from tests.tiny import tiny_llama
 
     return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
 
@@ -127,7 +127,7 @@ def test_trees_and_batches_record_draft_and_verify_time(tiny64, monkeypatch):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_tree_logits_equal_each_paths_plain_forward(tiny_tok, attn, test_device):
-    from draftsmith.pipeline.tiny import tiny_llama
+    from tests.tiny import tiny_llama
 
     model = tiny_llama(tiny_tok, seed=0, num_layers=2, dtype=torch.float64).to(test_device)
     model.set_attn_implementation(attn)

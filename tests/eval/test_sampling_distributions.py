@@ -164,7 +164,7 @@ def test_the_processed_sampling_test_rejects_mutants(mutant, gamma):
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_tok, test_device):
-    from draftsmith.pipeline.tiny import tiny_llama
+    from tests.tiny import tiny_llama
 
     return tiny_llama(tiny_tok, seed=0, num_layers=2, dtype=torch.float64).to(test_device)
 

@@ -129,7 +129,7 @@ def test_tree_mask_and_prune():
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_tok):
-    from draftsmith.pipeline.tiny import tiny_llama
+    from tests.tiny import tiny_llama
 
     return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64)
 

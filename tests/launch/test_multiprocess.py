@@ -60,7 +60,7 @@ def workspace(tmp_path_factory, write_chats):
     from draftsmith.pipeline.collect import run_collect
     from draftsmith.pipeline.config import load_config
     from draftsmith.pipeline.prepare import run_prepare
-    from draftsmith.pipeline.tiny import save_tiny_target
+    from tests.tiny import save_tiny_target
 
     root = tmp_path_factory.mktemp("launch-ws")
     target = save_tiny_target(root / "target", seed=0, num_layers=4)

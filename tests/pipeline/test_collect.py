@@ -129,7 +129,7 @@ def test_resume_after_crash_mid_shard(tmp_path, tiny_target_dir, monkeypatch):
 
 
 def test_mismatches_are_refused(tmp_path, tiny_target_dir):
-    from draftsmith.pipeline.tiny import save_tiny_target
+    from tests.tiny import save_tiny_target
 
     cfg = _cfg(tmp_path, tiny_target_dir)
     run_prepare(cfg)

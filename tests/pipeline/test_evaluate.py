@@ -12,8 +12,8 @@ from draftsmith.pipeline.cli import main
 from draftsmith.pipeline.collect import run_collect
 from draftsmith.pipeline.config import load_config
 from draftsmith.pipeline.prepare import run_prepare
-from draftsmith.pipeline.tiny import save_tiny_target
 from draftsmith.pipeline.train import run_train
+from tests.tiny import save_tiny_target
 
 
 def test_eval_stage(tmp_path):

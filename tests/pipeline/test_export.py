@@ -13,7 +13,7 @@ from draftsmith.drafters.vocab import draft_to_target_ids, select_draft_vocab
 from draftsmith.pipeline.config import load_config
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.export import import_drafter, run_export, sglang_refusal
-from draftsmith.pipeline.tiny import save_tiny_target
+from tests.tiny import save_tiny_target
 
 
 @pytest.fixture(scope="module")

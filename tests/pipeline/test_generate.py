@@ -13,7 +13,7 @@ from draftsmith.data.generation import HFGenerator, Sampling, cut_at_stop
 from draftsmith.pipeline.config import load_config
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.prepare import run_prepare
-from draftsmith.pipeline.tiny import tiny_llama
+from tests.tiny import tiny_llama
 
 PROMPTS = [
     "What is the sum of two numbers?",
@@ -171,7 +171,7 @@ def test_resume_after_kill_gives_the_same_records(tmp_path, tiny_target_dir, mon
 
 
 def test_refuses_mismatched_settings_and_targets(tmp_path, tiny_target_dir):
-    from draftsmith.pipeline.tiny import save_tiny_target
+    from tests.tiny import save_tiny_target
 
     cfg = _cfg(tmp_path, tiny_target_dir)
     run_prepare(cfg)

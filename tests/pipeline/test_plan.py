@@ -1,7 +1,7 @@
 """`draftsmith plan` against numbers worked out by hand (the arithmetic is written out in the comments; nothing
 here calls the formula code to get an expected value), for two configurations:
 
-A. the tiny 2-layer target of pipeline/tiny.py (hidden 64, 4/2 heads x 16, MLP 128, vocab 384): EAGLE-3 on
+A. the tiny 2-layer target of tests/tiny.py (hidden 64, 4/2 heads x 16, MLP 128, vocab 384): EAGLE-3 on
    offline fp32 features, one fp32 process (DDP, stage 0);
 B. a hand-written Llama-style config (hidden 1024, 16 layers, 16/4 heads x 64, MLP 2816, vocab 32000): EAGLE-3
    and DSpark, online features from a target split 8 ways by ZeRO-3 inference, 8 ranks of ZeRO-2 in bf16.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.pipeline.cli import main
-from draftsmith.pipeline.tiny import save_tiny_target
+from tests.tiny import save_tiny_target
 
 
 @pytest.fixture

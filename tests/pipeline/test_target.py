@@ -15,7 +15,7 @@ def test_alias_resolves_to_the_packaged_gguf():
 
 
 def test_local_dir_identity_changes_with_weights(tiny_target_dir, tmp_path):
-    from draftsmith.pipeline.tiny import save_tiny_target
+    from tests.tiny import save_tiny_target
 
     a = resolve_target(ModelConfig(target=str(tiny_target_dir))).identity()
     assert a == resolve_target(ModelConfig(target=str(tiny_target_dir))).identity()
@@ -51,7 +51,7 @@ def test_tiny_target_loads_through_the_real_path(tiny_target_dir):
 
 
 def test_tiny_factory_is_seeded():
-    from draftsmith.pipeline.tiny import tiny_llama, tiny_tokenizer
+    from tests.tiny import tiny_llama, tiny_tokenizer
 
     tok = tiny_tokenizer(seed=0)
     assert tok.get_vocab() == tiny_tokenizer(seed=0).get_vocab()

@@ -18,7 +18,7 @@ from draftsmith.pipeline.collect import run_collect
 from draftsmith.pipeline.config import load_config
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.prepare import run_prepare
-from draftsmith.pipeline.tiny import save_tiny_target
+from tests.tiny import save_tiny_target
 
 WORKER = Path(__file__).with_name("train_worker.py")
 

@@ -1,4 +1,4 @@
-"""A seeded tiny random-weight Llama target with a real (ChatML) chat template, for tests and CPU demos.
+"""A seeded tiny random-weight Llama target with a real (ChatML) chat template: the test suite's target.
 
 The tokenizer is a byte-level BPE trained in code on a small generated corpus, so token boundaries are
 as irregular as a real tokenizer's, and it carries the special tokens of several chat-template families
