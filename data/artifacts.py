@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+"""The file that marks an artifact directory complete (written last, atomically)."""
 
 
 class ArtifactError(ValueError):
@@ -41,20 +43,25 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def write_manifest(directory: Path, kind: str, **fields: Any) -> dict[str, Any]:
+def write_manifest(directory: Path, kind: str, inputs: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+    """Mark `directory` complete: its kind, `status: complete`, and `inputs`, everything the artifact was made from
+    (settings, target identity, fingerprints of input artifacts), which a later run compares with its own to know
+    whether the artifact is still current (pipeline/completion.py)."""
     manifest = {
         "kind": kind,
         "schema_version": SCHEMA_VERSION,
+        "status": "complete",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": versions(),
+        **({"inputs": json.loads(json.dumps(inputs))} if inputs is not None else {}),
         **fields,
     }
-    atomic_write_text(directory / "manifest.json", json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=False) + "\n")
     return manifest
 
 
 def read_manifest(directory: Path, kind: str) -> dict[str, Any]:
-    path = Path(directory) / "manifest.json"
+    path = Path(directory) / MANIFEST
     if not path.is_file():
         raise ArtifactError(
             f"{directory} is not a complete '{kind}' artifact (no manifest.json); run the stage that writes it"

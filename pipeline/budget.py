@@ -34,6 +34,7 @@ import torch
 from draftsmith.data.artifacts import atomic_write_text
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
         raise StageError(
             "budget.minutes sizes the self-synthesized data (generate.synthesize), and this recipe has none"
         )
-    path = cfg.run_path / "budget.json"
+    path = RunLayout.of(cfg).budget_file
     if is_main:
         earlier = json.loads(path.read_text()) if path.is_file() else None
         if earlier and earlier.get("inputs") == _record(cfg):
@@ -305,7 +306,7 @@ def record_actuals(cfg: RunConfig, record: dict[str, Any], seconds: dict[str, fl
             "synthesize": record["chosen"]["generate.synthesize"],
             "max_prompts_per_domain": record["chosen"]["eval.max_prompts_per_domain"],
         }
-    atomic_write_text(cfg.run_path / "budget.json", json.dumps(record, indent=2))
+    atomic_write_text(RunLayout.of(cfg).budget_file, json.dumps(record, indent=2))
     return record
 
 

@@ -8,6 +8,7 @@ import sys
 
 from draftsmith.pipeline.config import ConfigError, load_config, save_config
 from draftsmith.pipeline.console import console, setup_logging
+from draftsmith.pipeline.layout import RunLayout
 
 log = logging.getLogger("draftsmith")
 
@@ -19,7 +20,7 @@ ENTRY_POINTS = {
     "generate": "draftsmith.pipeline.generate:run_generate",
     "collect": "draftsmith.pipeline.collect:run_collect",
     "train": "draftsmith.pipeline.train:run_train",
-    "eval": "draftsmith.pipeline.evaluate:run_eval",
+    "eval": "draftsmith.pipeline.run:run_eval_stage",  # run_eval, plus the completion record it does not write yet
     "export": "draftsmith.pipeline.export:run_export",
     "import": "draftsmith.pipeline.export:run_import",
     "run": "draftsmith.pipeline.run:run_all",
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         from draftsmith.pipeline.dist import dist_state
 
         if dist_state().is_main_process and args.stage != "plan":  # plan runs nothing and writes nothing
-            save_config(cfg, cfg.run_path / "config.yaml")
+            save_config(cfg, RunLayout.of(cfg).config_file)
         extra = {
             "collect": {"verify": getattr(args, "verify", 0)},
             "train": {"resume": getattr(args, "resume", False)},

@@ -30,12 +30,13 @@ from draftsmith.data.feature_store import (
     shard_name,
 )
 from draftsmith.data.features import FeatureCapture, length_batches, right_pad
+from draftsmith.pipeline.completion import stage_inputs, start
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console, counts_table
 from draftsmith.pipeline.dist import dist_state
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.inputs import input_records
-from draftsmith.pipeline.resume import PlanMismatch, start_or_resume
+from draftsmith.pipeline.layout import RunLayout
 from draftsmith.pipeline.target import load_target
 
 log = logging.getLogger(__name__)
@@ -81,23 +82,12 @@ def collect_samples(
 def run_collect(cfg: RunConfig, verify: int = 0) -> Path:
     state = dist_state()
     c = cfg.collect
-    out = cfg.run_path / "features"
+    out = RunLayout.of(cfg).features
     target = load_target(cfg.model)
     capture = FeatureCapture(target.model, c.aux_layer_ids)
-    source_kind, source_manifest, records = input_records(cfg, target.identity)
-    hidden = capture.hidden_size
-    plan = {
-        "target": target.identity,
-        "source": {"kind": source_kind, "shards": [s["sha256"] for s in source_manifest["shards"]]},
-        "aux_layer_ids": capture.aux_ids,
-        "hidden_size": hidden,
-        "dtype": c.dtype,
-        "shard_tokens": c.shard_tokens,
-    }
-    try:
-        complete = start_or_resume(out, plan, state, "collect")
-    except PlanMismatch as exc:
-        raise StageError(str(exc)) from None
+    source_kind, _, records = input_records(cfg, target.identity)
+    inputs = stage_inputs(cfg, "collect", identity=target.identity)
+    complete = start(out, inputs, state, "collect").complete  # (other inputs: refused, naming what differs)
     shards = shard_plan([r["num_tokens"] for r in records], c.shard_tokens)
     log.info(
         "collect: %d %s records in %d shards over %d rank(s), aux layers %s, %s",
@@ -141,7 +131,7 @@ def run_collect(cfg: RunConfig, verify: int = 0) -> Path:
             bar.close()
         state.wait_for_everyone()
         if state.is_main_process:
-            finalize(out, len(shards), plan, cfg, target.identity, capture)
+            finalize(out, len(shards), inputs, cfg, target.identity, capture)
         state.wait_for_everyone()
 
     if verify and state.is_main_process:
@@ -150,7 +140,7 @@ def run_collect(cfg: RunConfig, verify: int = 0) -> Path:
 
 
 def finalize(
-    out: Path, n_shards: int, plan: dict[str, Any], cfg: RunConfig, identity: dict[str, Any], capture: FeatureCapture
+    out: Path, n_shards: int, inputs: dict[str, Any], cfg: RunConfig, identity: dict[str, Any], capture: FeatureCapture
 ) -> None:
     entries = []
     for k in range(n_shards):
@@ -171,13 +161,13 @@ def finalize(
     write_manifest(
         out,
         KIND,
+        inputs=inputs,
         target=identity,
-        plan=plan,
         aux_layer_ids=capture.aux_ids,
         hidden_size=capture.hidden_size,
         num_layers=capture.num_layers,
         dtype=cfg.collect.dtype,
-        source=plan["source"],
+        source=inputs["source"],
         config={"model": cfg.model.model_dump(mode="json"), "collect": cfg.collect.model_dump(mode="json")},
         counts=summary,
         bytes_per_token=bpt,

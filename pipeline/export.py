@@ -34,11 +34,13 @@ from draftsmith.drafters.common import DrafterBase
 from draftsmith.drafters.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.registry import load_drafter
+from draftsmith.pipeline.completion import stage_inputs
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.dist import single_writer
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.inputs import trained_drafter
+from draftsmith.pipeline.layout import MANIFEST, RunLayout
 from draftsmith.pipeline.target import load_config_of, load_head_weights, resolve_target
 
 log = logging.getLogger(__name__)
@@ -388,18 +390,19 @@ def _readme(
             "SGLang has no DSpark drafter.",
             "",
         ]
+    layout = RunLayout.of(cfg)
     for family in models:
-        train_manifest = cfg.run_path / "train" / family / "manifest.json"
+        train_manifest = layout.train(family).manifest
         if train_manifest.is_file():
             tm = json.loads(train_manifest.read_text())
             lines += [
                 f"## Training ({family})",
                 "",
                 f"{tm.get('steps')} optimizer steps, best holdout simulated τ "
-                f"{tm.get('best_holdout_tau')}; features from `{cfg.run_path / 'features'}`.",
+                f"{tm.get('best_holdout_tau')}; features from `{layout.features}`.",
                 "",
             ]
-    feats = cfg.run_path / "features" / "manifest.json"
+    feats = layout.features / MANIFEST
     if feats.is_file():
         fm = json.loads(feats.read_text())
         lines += [
@@ -407,7 +410,7 @@ def _readme(
             f"({fm['counts']['supervised_tokens']} assistant tokens).",
             "",
         ]
-    eval_json = cfg.run_path / cfg.eval.output / "eval.json"
+    eval_json = layout.eval_json
     if eval_json.is_file():
         ev = json.loads(eval_json.read_text())
         lines += [
@@ -444,7 +447,8 @@ def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
     target_config = load_config_of(cfg.model, spec)
     target_name = spec.location if spec.kind != "gguf" else spec.name
     dtype = DTYPES[x.dtype]
-    out = cfg.run_path / "export"
+    layout = RunLayout.of(cfg)
+    out = layout.export
     if out.exists():
         shutil.rmtree(out)
     written: dict[str, Path] = {}
@@ -456,20 +460,21 @@ def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
             if "sglang" in x.formats and refusal:
                 console.print(f"[yellow]export: not writing an SGLang-loadable directory: {refusal}[/]")
             tensors, config = eagle3_engine_files(model, target_config, dtype)
-            _write(out / "eagle3", tensors, config)
-            written["eagle3"] = out / "eagle3"
+            _write(layout.export_format("eagle3"), tensors, config)
+            written["eagle3"] = layout.export_format("eagle3")
         if "speculators" in x.formats:
             tensors, config = speculators_files(model, target_config, target_name, dtype, cfg.eval.draft_length)
-            _write(out / "speculators", tensors, config)
-            written["speculators"] = out / "speculators"
+            _write(layout.export_format("speculators"), tensors, config)
+            written["speculators"] = layout.export_format("speculators")
     if "dspark" in models and ("vllm" in x.formats or "speculators" in x.formats):
         tensors, config = dspark_files(models["dspark"], target_config, target_name, dtype)
-        _write(out / "dspark", tensors, config)
-        written["dspark"] = out / "dspark"
+        _write(layout.export_format("dspark"), tensors, config)
+        written["dspark"] = layout.export_format("dspark")
     (out / "README.md").write_text(_readme(written, cfg, models, spec.name, refusal, cfg.eval.draft_length))
     write_manifest(
         out,
         "export",
+        inputs=stage_inputs(cfg, "export", identity=spec.identity(), drafter=drafter),
         target=spec.identity(),
         sources={n: str(s) for n, s in zip(models, sources)},
         dtype=x.dtype,
@@ -484,7 +489,7 @@ def run_import(cfg: RunConfig, source: str) -> Path:
     """Load an exported directory back into draftsmith's drafter class and save it as RUN_DIR/imported/."""
     _, _, embed = load_head_weights(cfg.model)
     model = import_drafter(source, embed)
-    out = cfg.run_path / "imported"
+    out = RunLayout.of(cfg).imported
     model.float().save_pretrained(out)
     console.print(f"import: {source} -> {out}", highlight=False)
     return out

@@ -35,11 +35,12 @@ from draftsmith.data.chat import encode_text, prompt_ids, stop_token_ids, user_h
 from draftsmith.data.generation import Generator, HFGenerator, Sampling
 from draftsmith.data.records import build_record, holdout_split
 from draftsmith.data.synthesis import PromptFilter
+from draftsmith.pipeline.completion import stage_inputs, start
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console, counts_table
 from draftsmith.pipeline.dist import dist_state
 from draftsmith.pipeline.errors import StageError
-from draftsmith.pipeline.resume import PlanMismatch, start_or_resume
+from draftsmith.pipeline.layout import RunLayout
 from draftsmith.pipeline.target import load_model, load_tokenizer, pick_device, resolve_target
 
 log = logging.getLogger(__name__)
@@ -192,21 +193,6 @@ def synthesize_prompts(
 # --------------------------------------------------------------------------------------------- stage
 
 
-def _plan(
-    cfg: RunConfig, identity: dict[str, Any], chat_template: str, prepared: dict[str, Any] | None
-) -> dict[str, Any]:
-    """Everything that decides the generated records; a resumed run must match it exactly."""
-    return {
-        "target": identity,
-        "chat_template_sha256": hashlib.sha256(chat_template.encode()).hexdigest(),
-        "generate": cfg.generate.model_dump(mode="json"),
-        "max_length": cfg.data.max_length,
-        "overlong": cfg.data.overlong,
-        "holdout_fraction": cfg.data.holdout_fraction,
-        "prepared_shards": [s["sha256"] for s in prepared["shards"]] if prepared else None,
-    }
-
-
 def make_generator(cfg: RunConfig, tok, state: PartialState) -> tuple[Generator, Any]:
     """(generator, model or None). vLLM is used on CUDA nodes where it is installed, unless told otherwise."""
     from draftsmith.data.vllm_backend import VLLMGenerator, vllm_available
@@ -248,15 +234,15 @@ def make_generator(cfg: RunConfig, tok, state: PartialState) -> tuple[Generator,
 def run_generate(cfg: RunConfig) -> Path:
     state = dist_state()
     g = cfg.generate
-    out = cfg.run_path / "generated"
-    chunks_dir = out / "chunks"
+    layout = RunLayout.of(cfg)
+    out, chunks_dir = layout.generated, layout.generated_chunks
     spec = resolve_target(cfg.model)
     tok = load_tokenizer(cfg.model, spec)
     identity = spec.identity()
 
     prepared_manifest, convs = None, []
     if cfg.data.sources:
-        prepared_dir = cfg.run_path / "prepared"
+        prepared_dir = layout.prepared
         try:
             prepared_manifest, rows = read_records(prepared_dir, "prepared")
         except ArtifactError as exc:
@@ -266,19 +252,16 @@ def run_generate(cfg: RunConfig) -> Path:
     if not convs and g.synthesize == 0:
         raise StageError("nothing to generate: data.sources is empty and generate.synthesize is 0")
 
-    plan = _plan(cfg, identity, tok.chat_template, prepared_manifest)
-    try:
-        if start_or_resume(out, plan, state, "generate"):
-            return out
-    except PlanMismatch as exc:
-        raise StageError(str(exc)) from None
+    inputs = stage_inputs(cfg, "generate", identity=identity)
+    if start(out, inputs, state, "generate").complete:  # (other inputs: refused, naming what differs)
+        return out
 
     gen, _model = make_generator(cfg, tok, state)
     log.info("generate: backend=%s, %d rank(s)", gen.name, state.num_processes)
 
     synth_counts: Counter = Counter()
     if g.synthesize:
-        synth, synth_counts = synthesize_prompts(gen, tok, cfg, out / "synth", state)
+        synth, synth_counts = synthesize_prompts(gen, tok, cfg, layout.synthesized, state)
         convs = convs + synth
 
     sampling = Sampling(g.temperature, g.top_p, g.top_k, g.max_new_tokens)
@@ -310,7 +293,7 @@ def run_generate(cfg: RunConfig) -> Path:
 
     state.wait_for_everyone()
     if state.is_main_process:
-        finalize(out, n_chunks, plan, synth_counts, gen.name, identity, cfg)
+        finalize(out, n_chunks, inputs, synth_counts, gen.name, identity, cfg)
     state.wait_for_everyone()
     return out
 
@@ -326,22 +309,23 @@ def write_chunk(chunks_dir: Path, k: int, records: list[dict[str, Any]], counts:
 def finalize(
     out: Path,
     n_chunks: int,
-    plan: dict[str, Any],
+    inputs: dict[str, Any],
     synth_counts: Counter,
     backend: str,
     identity: dict[str, Any],
     cfg: RunConfig,
 ) -> None:
+    chunks_dir = RunLayout.of(cfg).generated_chunks
     totals: Counter = Counter()
     shards = []
     for k in range(n_chunks):
-        side = out / "chunks" / f"chunk-{k:05d}.json"
+        side = chunks_dir / f"chunk-{k:05d}.json"
         if not side.is_file():
             raise StageError(f"chunk {k} is missing ({side}); a rank failed — re-run the same command to resume")
         info = json.loads(side.read_text())
         totals.update(info["counts"])
         if info["shard"]:
-            shards.append(info["shard"] | {"file": f"chunks/{info['shard']['file']}"})
+            shards.append(info["shard"] | {"file": str((chunks_dir / info["shard"]["file"]).relative_to(out))})
     if totals["records"] == 0:
         raise StageError(f"generation produced no usable record (counts: {dict(totals)})")
     console.print(counts_table(f"generate -> {out}", {"answers": dict(totals)}))
@@ -350,9 +334,9 @@ def finalize(
     write_manifest(
         out,
         "generated",
+        inputs=inputs,
         target=identity,
         backend=backend,
-        plan=plan,
         config={"model": cfg.model.model_dump(mode="json"), "generate": cfg.generate.model_dump(mode="json")},
         counts=dict(totals),
         synthesis=dict(synth_counts),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.layout import MANIFEST, RunLayout
 
 GIB = 2**30
 CONFIDENCE_HIDDEN = 256  # width of EAGLE-3's confidence MLP (drafters/eagle3.py)
@@ -497,12 +498,12 @@ def estimate_tokens(
 
 def _tokens_in_run(cfg: RunConfig) -> tuple[int, int, str] | None:
     """(records, tokens) of the run's generated records, when generate already ran."""
-    directory = cfg.run_path / "generated"
-    if not (directory / "manifest.json").is_file():
+    directory = RunLayout.of(cfg).generated
+    if not (directory / MANIFEST).is_file():
         return None
     import pyarrow.parquet as pq
 
-    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest = json.loads((directory / MANIFEST).read_text())
     n = total = 0
     for shard in manifest.get("shards", []):
         table = pq.read_table(directory / shard["file"], columns=["num_tokens", "num_supervised"]).to_pydict()

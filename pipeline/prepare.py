@@ -14,10 +14,12 @@ from tqdm.auto import tqdm
 from draftsmith.data.artifacts import write_manifest, write_records
 from draftsmith.data.records import build_record, holdout_split
 from draftsmith.data.sources import iter_conversations
+from draftsmith.pipeline.completion import stage_inputs
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console, counts_table
 from draftsmith.pipeline.dist import single_writer
 from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.layout import RunLayout
 from draftsmith.pipeline.target import load_target
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ def run_prepare(cfg: RunConfig) -> Path:
             "data.sources is empty: nothing to prepare (for a dataset-free run set generate.synthesize "
             "and run `draftsmith generate`)"
         )
-    out = cfg.run_path / "prepared"
+    out = RunLayout.of(cfg).prepared
     target = load_target(cfg.model, with_model=False)
     tok = target.tokenizer
     work = fresh_dir(out)
@@ -108,6 +110,7 @@ def run_prepare(cfg: RunConfig) -> Path:
     write_manifest(
         work,
         "prepared",
+        inputs=stage_inputs(cfg, "prepare", identity=target.identity),
         target=target.identity,
         chat_template_sha256=hashlib.sha256(tok.chat_template.encode()).hexdigest(),
         config={"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json", by_alias=True)},

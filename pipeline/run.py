@@ -1,8 +1,12 @@
 """`draftsmith run`: every stage in order into one run directory, skipping what is already complete.
 
-A re-run after a crash resumes: prepare is skipped when its manifest matches the config, generate and
-collect continue from their finished chunks/shards (and refuse other settings), training resumes from its
-latest checkpoint, and eval is skipped when eval.json was made with the same settings.
+Whether a stage runs is decided by one rule (pipeline/completion.py), for every stage alike: its artifact is
+COMPLETE (made from the inputs this run would use: skipped), RESUMABLE (interrupted with the same inputs: generate
+and collect continue from their finished chunks/shards, training from its latest checkpoint, the others start
+over), STALE (made from other settings or other input data) or ABSENT. What a stage does with a STALE artifact is
+its policy below: prepare, eval and export make it again; generate, collect and train, hours of work, refuse and
+name what differs. An input's fingerprint is part of each stage's inputs, so a stage that ran makes everything
+built from its old output stale.
 """
 
 from __future__ import annotations
@@ -12,32 +16,20 @@ import logging
 import time
 from pathlib import Path
 
+from draftsmith.pipeline.completion import Status, clear, record_inputs, stage_completion, stage_inputs, write_progress
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.dist import dist_state
+from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
-
-def _prepared_matches(cfg: RunConfig) -> bool:
-    path = cfg.run_path / "prepared" / "manifest.json"
-    if not path.is_file():
-        return False
-    recorded = json.loads(path.read_text()).get("config", {})
-    return recorded == {
-        "model": cfg.model.model_dump(mode="json"),
-        "data": cfg.data.model_dump(mode="json", by_alias=True),
-    }
-
-
-def _eval_matches(cfg: RunConfig) -> bool:
-    path = cfg.run_path / cfg.eval.output / "eval.json"
-    if not path.is_file():
-        return False
-    ev = json.loads(path.read_text())
-    settings = ev.get("settings", {})
-    # eval.json is rewritten after every temperature; one that stopped part-way is not complete
-    return ev.get("complete", True) and all(settings.get(k) == v for k, v in cfg.eval.model_dump(mode="json").items())
+REMAKE, REFUSE = "remake", "refuse"
+ON_STALE = {"prepare": REMAKE, "generate": REFUSE, "collect": REFUSE, "train": REFUSE, "eval": REMAKE, "export": REMAKE}
+"""What each stage does with an artifact made from other inputs."""
+DONE_WORD = {"generate": "complete", "collect": "complete"}
+"""How the summary names a stage found complete ("skipped" for the others)."""
 
 
 def plan_stages(cfg: RunConfig) -> list[str]:
@@ -52,9 +44,28 @@ def plan_stages(cfg: RunConfig) -> list[str]:
     return stages
 
 
+def run_eval_stage(cfg: RunConfig, drafter: str | None = None) -> Path:
+    """`draftsmith eval` with its completion record. evaluate.py does not record its inputs yet: until it does, this
+    wrapper clears the old record, marks the work in progress, and adds the inputs to the manifest eval writes."""
+    from draftsmith.pipeline.evaluate import run_eval
+
+    state = dist_state()
+    directory = RunLayout.of(cfg).eval
+    inputs = stage_inputs(cfg, "eval", drafter=drafter)
+    state.wait_for_everyone()  # every rank has read the old record (`draftsmith run`) before it goes
+    if state.is_main_process:
+        clear(directory)
+        write_progress(directory, inputs)
+    state.wait_for_everyone()
+    out = run_eval(cfg, drafter)
+    if state.is_main_process:
+        record_inputs(directory, inputs)
+    state.wait_for_everyone()
+    return out
+
+
 def run_all(cfg: RunConfig) -> Path:
     from draftsmith.pipeline.collect import run_collect
-    from draftsmith.pipeline.evaluate import run_eval
     from draftsmith.pipeline.export import run_export
     from draftsmith.pipeline.generate import run_generate
     from draftsmith.pipeline.prepare import run_prepare
@@ -77,73 +88,40 @@ def run_all(cfg: RunConfig) -> Path:
 
         cfg, budget = plan_budget(cfg, main_process, agreed)
         if main_process:
-            save_config(cfg, cfg.run_path / "config.yaml")  # the sized config is the one this run used
-    upstream_ran = False  # once a stage really ran, later stages may not be skipped on their old outputs
+            save_config(cfg, RunLayout.of(cfg).config_file)  # the sized config is the one this run used
+    layout = RunLayout.of(cfg)
     for i, stage in enumerate(stages, start=1):
         if main_process:
             console.rule(f"[bold]stage {i}/{len(stages)}: {stage}")
         t0 = time.perf_counter()
+        families = list(cfg.train.drafters) if stage == "train" else [None]
+        found = {family: stage_completion(cfg, stage, family=family) for family in families}
+        agreed()
+        stale = [c for c in found.values() if c.status is Status.STALE]
+        if stale and ON_STALE[stage] == REFUSE:
+            raise StageError(stale[0].refusal(stage))
+        todo = [family for family, c in found.items() if not c.complete]
+        if not todo:
+            log.info(
+                "%s: complete for this config, skipped (%s)", stage, ", ".join(str(c.directory) for c in found.values())
+            )
+            timings[stage] = DONE_WORD.get(stage, "skipped")
+            continue
         if stage == "prepare":
-            matches = _prepared_matches(cfg)  # (first stage: nothing upstream)
-            agreed()
-            if matches:
-                log.info("prepare: %s matches this config, skipped", cfg.run_path / "prepared")
-                timings[stage] = "skipped"
-                continue
             run_prepare(cfg)
         elif stage == "generate":
-            done = (cfg.run_path / "generated" / "manifest.json").is_file()
-            agreed()
-            run_generate(cfg)  # resumes, or returns at once when complete (and refuses other settings)
-            if done:
-                timings[stage] = "complete"
-                continue
+            run_generate(cfg)  # continues from the chunks already generated
         elif stage == "collect":
-            done = (cfg.run_path / "features" / "manifest.json").is_file()
-            agreed()
-            run_collect(cfg)
-            if done:
-                timings[stage] = "complete"
-                continue
+            run_collect(cfg)  # continues from the shards already stored
         elif stage == "train":
-            from draftsmith.pipeline.errors import StageError
-            from draftsmith.pipeline.inputs import train_dir
-
-            todo: list[str] = []
-            for family in cfg.train.drafters:
-                out = train_dir(cfg, family)
-                if (out / "manifest.json").is_file():
-                    recorded = json.loads((out / "manifest.json").read_text())["config"]["train"]
-                    if recorded == cfg.train.model_dump(mode="json") and not upstream_ran:
-                        log.info("train: %s is complete for this config, skipped", out)
-                        continue
-                    raise StageError(
-                        f"{out} holds a finished training run made with other settings or older data; "
-                        "delete it (or use another run_dir) to retrain"
-                    )
-                todo.append(family)
-            resume = any(
-                (train_dir(cfg, f) / "checkpoints").is_dir() and any((train_dir(cfg, f) / "checkpoints").glob("step-*"))
-                for f in todo
-            )
-            agreed()
-            if not todo:
-                timings[stage] = "skipped"
-                continue
+            resume = any(found[family].status is Status.RESUMABLE for family in todo)
             run_train(cfg, resume=resume, families=todo)
         elif stage == "eval":
-            matches = _eval_matches(cfg) and not upstream_ran
-            agreed()
-            if matches:
-                log.info("eval: %s matches this config, skipped", cfg.run_path / "eval")
-                timings[stage] = "skipped"
-                continue
-            run_eval(cfg)
+            run_eval_stage(cfg)
         elif stage == "export":
             run_export(cfg)
         seconds[stage] = time.perf_counter() - t0
         timings[stage] = f"{seconds[stage]:.0f}s"
-        upstream_ran = True
     total = time.perf_counter() - started
     if not main_process:
         return cfg.run_path
@@ -157,16 +135,14 @@ def run_all(cfg: RunConfig) -> Path:
         budget = record_actuals(cfg, budget, seconds, total)
         console.rule(f"[bold]budget {cfg.budget.minutes:g} min: predicted and actual stage times")
         console.print(budget_table(budget), highlight=False)
-    eval_json = cfg.run_path / cfg.eval.output / "eval.json"
-    if eval_json.is_file():
+    if layout.eval_json.is_file():
         from draftsmith.eval.report import markdown_table
 
         console.rule("[bold]results: τ and speedup over plain decoding, per domain")
-        console.print(markdown_table(json.loads(eval_json.read_text())), highlight=False)
-        plots = sorted(p.name for p in (cfg.run_path / cfg.eval.output).glob("*.png"))
+        console.print(markdown_table(json.loads(layout.eval_json.read_text())), highlight=False)
+        plots = sorted(p.name for p in layout.eval.glob("*.png"))
         console.print(
-            f"report: {cfg.run_path / cfg.eval.output / 'report.md'}"
-            + (f"; plots: {', '.join(plots)}" if plots else ""),
+            f"report: {layout.eval_report}" + (f"; plots: {', '.join(plots)}" if plots else ""),
             highlight=False,
         )
     return cfg.run_path

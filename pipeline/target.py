@@ -167,6 +167,14 @@ def _read_template(text: str) -> str:
     return text
 
 
+def chat_template_digest(cfg: ModelConfig) -> str | None:
+    """sha256 of the `model.chat_template` override (inline or the file's text); None without one (the
+    tokenizer's own template is part of the target's identity)."""
+    if cfg.chat_template is None:
+        return None
+    return hashlib.sha256(_read_template(cfg.chat_template).encode()).hexdigest()
+
+
 def _location_kwargs(spec: TargetSpec) -> dict[str, Any]:
     """from_pretrained arguments that say which files of `spec.location` to read."""
     kwargs: dict[str, Any] = {}

@@ -33,11 +33,13 @@ from draftsmith.data.features import FeatureSource, OnlineFeatureSource, plan_ba
 from draftsmith.drafters.objectives import summarize
 from draftsmith.drafters.registry import get_family
 from draftsmith.drafters.vocab import select_draft_vocab
+from draftsmith.pipeline.completion import Status, completion, payload_files, stage_inputs, write_progress
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.families import family_settings
-from draftsmith.pipeline.inputs import input_records, train_dir
+from draftsmith.pipeline.inputs import input_records
+from draftsmith.pipeline.layout import MANIFEST, RunLayout
 from draftsmith.pipeline.precision import resolve_mixed_precision
 from draftsmith.pipeline.target import load_config_of, load_head_weights, load_target, resolve_target
 
@@ -51,8 +53,8 @@ def feature_source(cfg: RunConfig, identity: dict[str, Any], target_config) -> t
     """(source, aux ids, target model or None) for `train.features`."""
     L = target_config.num_hidden_layers
     if cfg.train.features == "offline":
-        store_dir = cfg.run_path / "features"
-        if not (store_dir / "manifest.json").is_file():
+        store_dir = RunLayout.of(cfg).features
+        if not (store_dir / MANIFEST).is_file():
             raise StageError(f"no feature store at {store_dir}; run `draftsmith collect` or set train.features=online")
         aux = resolve_aux_ids(cfg.collect.aux_layer_ids, L) if cfg.collect.aux_layer_ids is not None else None
         store = FeatureStore(store_dir, target=identity, aux_ids=aux, hidden_size=target_config.hidden_size)
@@ -187,12 +189,14 @@ class Trainer:
         t = cfg.train
         fs = family_settings(cfg, family)
         self.epochs, self.max_steps = fs["epochs"], fs["max_steps"]
-        self.out = train_dir(cfg, family)
+        self.dirs = RunLayout.of(cfg).train(family)
+        self.out = self.dirs.root
         self.accelerator = _accelerator(cfg, self.out)
         acc = self.accelerator
         self.device = acc.device
         spec = resolve_target(cfg.model)
         self.identity = spec.identity()
+        self.inputs = stage_inputs(cfg, "train", identity=self.identity)  # what the manifest records
         target_config = load_config_of(cfg.model, spec)
         self.source, self.aux_ids, target_model = feature_source(cfg, self.identity, target_config)
         if fs["aux"] is not None and list(fs["aux"]) != list(self.aux_ids):
@@ -216,7 +220,7 @@ class Trainer:
                 V,
             )
         self.draft_vocab_size = min(t.draft_vocab_size, V)
-        vocab_file = self.out / "vocab.safetensors"
+        vocab_file = self.dirs.vocab
         resuming = vocab_file.is_file()  # resume: the vocabulary is part of the run
         acc.wait_for_everyone()  # every rank has looked before the main process may write it
         if resuming:
@@ -231,7 +235,7 @@ class Trainer:
                 from safetensors.torch import save_file
 
                 self.out.mkdir(parents=True, exist_ok=True)
-                partial = vocab_file.with_name(".vocab.safetensors.partial")
+                partial = vocab_file.with_name(f".{vocab_file.name}.partial")
                 save_file({"d2t": d2t, "t2d": t2d}, str(partial))
                 partial.replace(vocab_file)
         self.family = get_family(family)
@@ -294,7 +298,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         acc = self.accelerator
-        ckpt_root = self.out / "checkpoints"
+        ckpt_root = self.dirs.checkpoints
         final = ckpt_root / f"step-{self.step:07d}"
         partial = ckpt_root / f".step-{self.step:07d}.partial"
         if acc.is_main_process:
@@ -324,7 +328,7 @@ class Trainer:
         return final
 
     def latest_checkpoint(self) -> Path | None:
-        found = sorted((self.out / "checkpoints").glob("step-*"))
+        found = sorted(self.dirs.checkpoints.glob("step-*"))
         return found[-1] if found else None
 
     def resume(self) -> bool:
@@ -474,12 +478,14 @@ class Trainer:
             )
         if s["tau"] > self.best:
             self.best = s["tau"]
-            self.save_drafter(self.out / ".best.partial")
+            best = self.dirs.best
+            partial = best.with_name(f".{best.name}.partial")
+            self.save_drafter(partial)
             if acc.is_main_process:
-                if (self.out / "best").exists():
-                    shutil.rmtree(self.out / "best")
-                (self.out / ".best.partial").rename(self.out / "best")
-                atomic_write_text(self.out / "best" / "metrics.json", json.dumps({"step": self.step, **s}, indent=2))
+                if best.exists():
+                    shutil.rmtree(best)
+                partial.rename(best)
+                atomic_write_text(best / "metrics.json", json.dumps({"step": self.step, **s}, indent=2))
             acc.wait_for_everyone()
 
     @torch.no_grad()
@@ -538,10 +544,10 @@ class Trainer:
 
     def _finish(self, seconds: float) -> Path:
         acc = self.accelerator
-        self.save_drafter(self.out / "final")
+        self.save_drafter(self.dirs.final)
         acc.wait_for_everyone()  # best/ and final/ are on disk before any rank reads them
         if self.family.name == "dspark" and self.cfg.train.dspark.calibrate:
-            for d in (self.out / "best", self.out / "final"):
+            for d in (self.dirs.best, self.dirs.final):
                 if (d / "config.json").is_file():  # the same answer on every rank: the files exist or not
                     self.calibrate(d)
         acc.wait_for_everyone()
@@ -549,6 +555,7 @@ class Trainer:
             write_manifest(
                 self.out,
                 "drafter",
+                inputs=self.inputs,
                 target=self.identity,
                 drafter=self.family.name,
                 aux_layer_ids=self.aux_ids,
@@ -558,17 +565,18 @@ class Trainer:
                 best_holdout_tau=self.best if self.best > -math.inf else None,
                 config={"train": self.cfg.train.model_dump(mode="json")},
                 history=self.history,
-                calibration=_read_json(self.out / "best" / "calibration.json")
-                or _read_json(self.out / "final" / "calibration.json"),
+                calibration=_read_json(self.dirs.best / "calibration.json")
+                or _read_json(self.dirs.final / "calibration.json"),
+                files=payload_files(self.out, [self.dirs.best.name, self.dirs.final.name]),
                 world_size=acc.num_processes,
                 seconds=round(seconds, 1),
             )
             log.info(
                 "train: %d steps; final drafter in %s (best holdout τ_sim %.3f in %s)",
                 self.step,
-                self.out / "final",
+                self.dirs.final,
                 self.best,
-                self.out / "best",
+                self.dirs.best,
             )
         acc.wait_for_everyone()
         return self.out
@@ -580,31 +588,44 @@ def _read_json(path: Path) -> Any:
 
 def run_train(cfg: RunConfig, resume: bool = False, families: list[str] | None = None) -> Path:
     """Train every family of train.drafters (or `families`) in turn. With `resume`, a finished family is
-    skipped and an unfinished one continues from its latest checkpoint."""
+    skipped and an unfinished one continues from its latest checkpoint; either is refused when it was made from
+    other inputs (pipeline/completion.py)."""
     families = families or list(cfg.train.drafters)
+    layout = RunLayout.of(cfg)
+    inputs = stage_inputs(cfg, "train")
+    todo = []
     for family in families:
-        out = train_dir(cfg, family)
-        if (out / "manifest.json").is_file():
-            if resume:
-                log.info("train: %s is finished, skipped", out)
+        dirs = layout.train(family)
+        found = completion(dirs.root, inputs)
+        if dirs.manifest.is_file():
+            if found.complete and resume:
+                log.info("train: %s is finished, skipped", dirs.root)
                 continue
+            if found.complete:
+                raise StageError(
+                    f"{dirs.root} already holds a finished training run; use another run_dir, delete it, or pass --resume"
+                )
             raise StageError(
-                f"{out} already holds a finished training run; use another run_dir, delete it, or pass --resume"
+                f"{dirs.root} already holds a finished training run made with other settings or other inputs "
+                f"({'; '.join(found.differences)}); use another run_dir or delete it"
             )
-        if not resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*")):
-            raise StageError(f"{out} holds checkpoints of an unfinished run; pass --resume to continue it")
-    for family in families:
-        out = train_dir(cfg, family)
-        if (out / "manifest.json").is_file():
-            continue
+        if dirs.checkpoints.is_dir() and any(dirs.checkpoints.glob("step-*")):
+            if not resume:
+                raise StageError(f"{dirs.root} holds checkpoints of an unfinished run; pass --resume to continue it")
+            if found.status is Status.STALE:
+                raise StageError(found.refusal("training run"))
+        todo.append(family)
+    for family in todo:
         if len(families) > 1:
             console.rule(f"train: {family}")
         trainer = Trainer(cfg, family)
+        if trainer.accelerator.is_main_process:
+            write_progress(trainer.out, trainer.inputs)  # an interrupted run is RESUMABLE with the same inputs
         if resume and not trainer.resume():
-            log.info("train: no checkpoint to resume from in %s; starting fresh", out)
+            log.info("train: no checkpoint to resume from in %s; starting fresh", trainer.out)
         trainer.train()
         # free this family's engine, optimizer and gradients before the next family builds its own (a DeepSpeed
         # engine keeps its buffers alive through references `del` alone does not reach)
         trainer.accelerator.free_memory()
         del trainer
-    return cfg.run_path / "train"
+    return layout.train_root

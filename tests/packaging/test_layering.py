@@ -43,7 +43,8 @@ LAYERS: list[tuple[str, list[str]]] = [
             "draftsmith.pipeline.target",
             "draftsmith.pipeline.families",
             "draftsmith.pipeline.inputs",
-            "draftsmith.pipeline.resume",
+            "draftsmith.pipeline.layout",
+            "draftsmith.pipeline.completion",
         ],
     ),
     # one command each; they talk to each other only through the run directory
