@@ -5,35 +5,36 @@ import pytest
 import torch
 
 from draftsmith.eval.batch import decode_batch
-from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.sampling import SamplingParams, make_generator
 
 
 @pytest.fixture(scope="module")
-def tiny64(tiny_tok):
+def tiny64(tiny_tok, test_device):
     from tests.tiny import tiny_llama
 
-    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64)
+    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
 
 
 def plain_greedy(model, prompt, n, stops=()):
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
             if ids[-1] in stops:
                 break
     return ids[len(prompt) :]
 
 
 def _eagle3(model):
+    """A random EAGLE-3 drafter for `model`, on the model's device (initialized on the CPU: the same weights on
+    every device)."""
     from draftsmith.drafters.eagle3 import Eagle3Drafter
     from draftsmith.drafters.vocab import select_draft_vocab
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 200)
-    return Eagle3Drafter.from_target(
-        model.config, [1, 2, 4], 200, model.get_input_embeddings().weight, d2t, t2d
-    ).double()
+    embed = model.get_input_embeddings().weight.cpu()
+    return Eagle3Drafter.from_target(model.config, [1, 2, 4], 200, embed, d2t, t2d).double().to(model.device)
 
 
 def _dspark(model):
@@ -90,16 +91,16 @@ def test_batched_matches_unbatched_acceptance(tiny64, kind, threshold):
         assert min(drafted) < 3 and len(set(drafted)) > 1, drafted
 
 
-def test_adaptive_lengths_keep_drafts_while_the_running_confidence_holds():
+def test_adaptive_lengths_keep_drafts_while_the_running_confidence_holds(test_device):
     from draftsmith.eval.batch import adaptive_lengths
 
-    confs = torch.tensor([[0.9, 0.5, 0.8], [0.3, 0.9, 0.9], [0.99, 0.99, 0.99]])
+    confs = torch.tensor([[0.9, 0.5, 0.8], [0.3, 0.9, 0.9], [0.99, 0.99, 0.99]], device=test_device)
     assert adaptive_lengths(confs, 0.4) == [2, 1, 3]  # 0.9*0.5*0.8 = 0.36 < 0.4; 0.3 drafts the first anyway
     assert adaptive_lengths(confs, None) == [3, 3, 3]
 
 
 def test_batched_sampling_runs(tiny64):
-    gen = torch.Generator().manual_seed(0)
+    gen = make_generator(tiny64.device, 0)
     res = decode_batch(
         tiny64,
         [[5, 6, 7], [9, 10, 11, 12, 13]],
@@ -127,11 +128,13 @@ def test_batched_dspark_drafts_what_each_row_drafts_alone(tiny64):
     firsts = [17, 18, 19]
     accepted_by_round = [[2, 0, 3], [0, 3, 1], [1, 1, 0], [3, 2, 2]]
     P = max(len(p) for p in prompts)
+    # drawn on the CPU (the same values on every device), then on the target's device, where eval's features are
     feats = torch.randn(3, P, width, generator=g, dtype=torch.float64)
-    valid = torch.zeros(3, P, dtype=torch.bool)
+    valid = torch.zeros(3, P, dtype=torch.bool)  # on the CPU, as eval's prefill makes it
     for b, p in enumerate(prompts):
         valid[b, P - len(p) :] = True
         feats[b, : P - len(p)] = 1e3  # padding: would swamp a row that attended to it
+    feats = feats.to(tiny64.device)
     batched = BatchedDSpark(drafter)
     batched.start(prompts, firsts, feats, valid)
     singles = [DSparkProposer(drafter, draft_length=3) for _ in prompts]
@@ -141,7 +144,7 @@ def test_batched_dspark_drafts_what_each_row_drafts_alone(tiny64):
         drafts, q, confs = batched.propose(3, SamplingParams(), None)
         assert q is None and drafts.shape == (3, 3)
         news = torch.randint(5, 380, (3,), generator=g).tolist()
-        round_feats = torch.randn(3, 4, width, generator=g, dtype=torch.float64)
+        round_feats = torch.randn(3, 4, width, generator=g, dtype=torch.float64).to(tiny64.device)
         for b in range(3):
             d, _, c = singles[b].propose([], 3, SamplingParams(), None)
             assert d == drafts[b].tolist()

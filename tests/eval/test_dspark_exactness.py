@@ -13,25 +13,27 @@ from draftsmith.drafters.vocab import select_draft_vocab
 from draftsmith.eval.engine import decode
 from draftsmith.eval.proposers import DSparkProposer
 from draftsmith.eval.runner import HFTarget
-from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.sampling import SamplingParams, make_generator
 from tests.eval.test_exactness import BigramTarget, P, chi_square_pvalue, plain_greedy, tiny64  # noqa: F401
 
 
 class FeatureBigramTarget(BigramTarget):
-    """The bigram target, also returning a fixed feature vector per token (what a drafter conditions on)."""
+    """The bigram target, also returning a fixed feature vector per token (what a drafter conditions on), both on
+    the device of `table` (the features drawn on the CPU: the same values on every device)."""
 
     def __init__(self, table, width, seed=0):
         super().__init__(table)
         self.feats = torch.randn(
             table.shape[0], width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
-        )
+        ).to(table.device)
 
     def step(self, tokens):
         logp, _ = super().step(tokens)
         return logp, self.feats[list(tokens)]
 
 
-def _tiny_dspark(vocab=3, draft_vocab=3, hidden=16, aux=(1, 2, 3), target_hidden=8, block=3, seed=0):
+def _tiny_dspark(vocab=3, draft_vocab=3, hidden=16, aux=(1, 2, 3), target_hidden=8, block=3, seed=0, device="cpu"):
+    """A random DSpark drafter over the bigram's tokens, initialized on the CPU and then moved to `device`."""
     torch.manual_seed(seed)
     cfg = DSparkConfig(
         vocab_size=vocab,
@@ -55,12 +57,12 @@ def _tiny_dspark(vocab=3, draft_vocab=3, hidden=16, aux=(1, 2, 3), target_hidden
         model.t2d.copy_(t2d)
         model.lm_head.weight.normal_(0, 2.0)  # a draft that disagrees with the target often, but not always
         model.markov_head.markov_w1.weight.normal_(0, 2.0)
-    return model
+    return model.to(device)
 
 
 def _emitted_dspark(proposer, n=4000, seed=0, tokens=4):
-    gen = torch.Generator().manual_seed(seed)
-    target = FeatureBigramTarget(P, 3 * 8)
+    gen = make_generator(proposer.device, seed)  # the drafter's device: the bigram target, q and p live there too
+    target = FeatureBigramTarget(P.to(proposer.device), 3 * 8)
     counts, accepted, drafted = Counter(), 0, 0
     for _ in range(n):
         r = decode(target, proposer, [0], SamplingParams(temperature=1.0), 3, tokens, generator=gen)
@@ -82,10 +84,11 @@ def _exact(tokens=4):
 
 
 @pytest.mark.parametrize("threshold", [None, 0.45])
-def test_sampling_with_dspark_blocks_emits_the_targets_distribution(threshold):
+def test_sampling_with_dspark_blocks_emits_the_targets_distribution(threshold, test_device):
     """Four emitted tokens: the prefill's, then a block whose slots 1 and 2 decide the third and fourth whenever
     the earlier slots are accepted (two tokens would only ever see slot 0)."""
-    counts, accepted, drafted = _emitted_dspark(DSparkProposer(_tiny_dspark(), confidence_threshold=threshold))
+    proposer = DSparkProposer(_tiny_dspark(device=test_device), confidence_threshold=threshold)
+    counts, accepted, drafted = _emitted_dspark(proposer)
     assert chi_square_pvalue(counts, _exact()) > 1e-3, counts
     assert 0.1 * drafted < accepted < 0.9 * drafted  # both the accept and the reject branch were exercised
 
@@ -109,16 +112,16 @@ class LaterSlotsFromSlotZero(DSparkProposer):
 
 
 @pytest.mark.parametrize("mutant", [AnticipatingStop, LaterSlotsFromSlotZero])
-def test_the_dspark_sampling_test_rejects_mutants(mutant):
-    counts, _, _ = _emitted_dspark(mutant(_tiny_dspark(), confidence_threshold=None), n=2000, seed=3)
+def test_the_dspark_sampling_test_rejects_mutants(mutant, test_device):
+    counts, _, _ = _emitted_dspark(mutant(_tiny_dspark(device=test_device), confidence_threshold=None), n=2000, seed=3)
     assert chi_square_pvalue(counts, _exact()) < 1e-6
 
 
-def test_adaptive_length_uses_only_earlier_positions():
+def test_adaptive_length_uses_only_earlier_positions(test_device):
     """With a threshold, fewer positions are drafted, and the first one always is."""
-    drafter = _tiny_dspark()
-    target = FeatureBigramTarget(P, 3 * 8)
-    gen = torch.Generator().manual_seed(1)
+    drafter = _tiny_dspark(device=test_device)
+    target = FeatureBigramTarget(P.to(test_device), 3 * 8)
+    gen = make_generator(test_device, 1)
     full = decode(target, DSparkProposer(drafter), [0], SamplingParams(temperature=1.0), 3, 40, generator=gen)
     short = decode(
         target,
@@ -134,22 +137,28 @@ def test_adaptive_length_uses_only_earlier_positions():
 
 
 def _dspark_for(model, calibrated=False):
+    """A random DSpark drafter for `model`, on the model's device (initialized on the CPU: the same weights on
+    every device)."""
     from draftsmith.drafters.dspark import DSparkDrafter
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 200)
-    d = DSparkDrafter.from_target(
-        model.config,
-        [1, 2, 4],
-        200,
-        model.get_input_embeddings().weight,
-        d2t,
-        t2d,
-        head_weight=model.get_output_embeddings().weight,
-        block_size=4,
-        num_layers=2,
-        markov_rank=8,
-    ).double()
+    d = (
+        DSparkDrafter.from_target(
+            model.config,
+            [1, 2, 4],
+            200,
+            model.get_input_embeddings().weight.cpu(),
+            d2t,
+            t2d,
+            head_weight=model.get_output_embeddings().weight.cpu(),
+            block_size=4,
+            num_layers=2,
+            markov_rank=8,
+        )
+        .double()
+        .to(model.device)
+    )
     if calibrated:
         d.config.confidence_temperatures = [0.5, 2.0, 1.0, 3.0]
     return d

@@ -9,7 +9,7 @@ import torch
 from draftsmith.eval.engine import decode
 from draftsmith.eval.proposers import Eagle3Proposer, NoDraft, PromptLookup
 from draftsmith.eval.runner import HFTarget
-from draftsmith.eval.sampling import SamplingParams, sample
+from draftsmith.eval.sampling import SamplingParams, make_generator, sample, uniform
 from draftsmith.eval.verify import residual, sampling_verify
 
 # ------------------------------------------------------------------ an exactly solvable model: bigrams
@@ -19,6 +19,8 @@ Q = torch.tensor([[0.2, 0.6, 0.2], [0.4, 0.3, 0.3], [0.6, 0.2, 0.2]], dtype=torc
 
 
 class BigramTarget:
+    """The bigram target on the device of `table` (its logits, and so the verifier's p, live there)."""
+
     def __init__(self, table):
         self.logp = table.log()
         self.passes, self.n = 0, 0
@@ -69,9 +71,9 @@ def exact_three_token_distribution(prompt_token=0):
     return out
 
 
-def emitted(verify, gamma, n=20000, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    target, draft = BigramTarget(P), BigramDraft(Q)
+def emitted(verify, gamma, device, n=20000, seed=0):
+    gen = make_generator(device, seed)  # on the tables' device, as sampling there requires
+    target, draft = BigramTarget(P.to(device)), BigramDraft(Q.to(device))
     counts = Counter()
     for _ in range(n):
         r = decode(target, draft, [0], SamplingParams(temperature=1.0), gamma, 3, generator=gen, verify=verify)
@@ -80,14 +82,14 @@ def emitted(verify, gamma, n=20000, seed=0):
 
 
 @pytest.mark.parametrize("gamma", [1, 3])
-def test_sampling_output_is_the_targets_distribution(gamma):
-    p = chi_square_pvalue(emitted(sampling_verify, gamma), exact_three_token_distribution())
+def test_sampling_output_is_the_targets_distribution(gamma, test_device):
+    p = chi_square_pvalue(emitted(sampling_verify, gamma, test_device), exact_three_token_distribution())
     assert p > 1e-3, p
 
 
 def resample_from_p(drafts, q, p, gen):  # a classic bug: on rejection, sample from p instead of the residual
     for i, x in enumerate(drafts):
-        if float(torch.rand((), generator=gen)) < min(1.0, float(p[i, x] / q[i, x])):
+        if uniform(gen) < min(1.0, float(p[i, x] / q[i, x])):
             continue
         return i, sample(p[i], gen)
     return len(drafts), sample(p[len(drafts)], gen)
@@ -95,22 +97,22 @@ def resample_from_p(drafts, q, p, gen):  # a classic bug: on rejection, sample f
 
 def anticipating(drafts, q, p, gen):  # verification that depends on the drafted token: token 1 skips the test
     for i, x in enumerate(drafts):
-        if x == 1 or float(torch.rand((), generator=gen)) < min(1.0, float(p[i, x] / q[i, x])):
+        if x == 1 or uniform(gen) < min(1.0, float(p[i, x] / q[i, x])):
             continue
         return i, sample(residual(p[i], q[i]), gen)
     return len(drafts), sample(p[len(drafts)], gen)
 
 
 @pytest.mark.parametrize("broken", [resample_from_p, anticipating])
-def test_the_chi_square_test_rejects_broken_verifiers(broken):
-    p = chi_square_pvalue(emitted(broken, 3), exact_three_token_distribution())
+def test_the_chi_square_test_rejects_broken_verifiers(broken, test_device):
+    p = chi_square_pvalue(emitted(broken, 3, test_device), exact_three_token_distribution())
     assert p < 1e-6, p
 
 
-def test_residual_rule_on_the_chapter_example():
-    p = torch.tensor([0.5, 0.3, 0.2])
-    q = torch.tensor([0.2, 0.6, 0.2])
-    assert torch.allclose(residual(p, q), torch.tensor([1.0, 0.0, 0.0]))
+def test_residual_rule_on_the_chapter_example(test_device):
+    p = torch.tensor([0.5, 0.3, 0.2], device=test_device)
+    q = torch.tensor([0.2, 0.6, 0.2], device=test_device)
+    assert torch.allclose(residual(p, q), torch.tensor([1.0, 0.0, 0.0], device=test_device))
     assert abs(float(torch.minimum(p, q).sum()) - 0.7) < 1e-6
 
 
@@ -118,22 +120,23 @@ def test_residual_rule_on_the_chapter_example():
 
 
 @pytest.fixture(scope="module")
-def tiny64(tiny_tok):
+def tiny64(tiny_tok, test_device):
     from tests.tiny import tiny_llama
 
-    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64)
+    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
 
 
 def plain_greedy(model, prompt, n):
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
     return ids[len(prompt) :]
 
 
 class OracleDraft(NoDraft):
-    """Near-perfect: the target's own greedy continuation (recomputed without a cache), corrupted at rate 0.25."""
+    """Near-perfect: the target's own greedy continuation (recomputed without a cache), corrupted at rate 0.25
+    (by a CPU generator of its own: which drafts are corrupted is the same on every device)."""
 
     def __init__(self, model, seed=0):
         self.model, self.rng = model, torch.Generator().manual_seed(seed)
@@ -144,14 +147,15 @@ class OracleDraft(NoDraft):
 
 
 def _eagle3(model):
+    """A random EAGLE-3 drafter for `model`, on the model's device (initialized on the CPU: the same weights on
+    every device)."""
     from draftsmith.drafters.eagle3 import Eagle3Drafter
     from draftsmith.drafters.vocab import select_draft_vocab
 
     torch.manual_seed(1)
     d2t, t2d = select_draft_vocab(torch.arange(384).flip(0), 200)
-    return Eagle3Drafter.from_target(
-        model.config, [1, 2, 4], 200, model.get_input_embeddings().weight, d2t, t2d
-    ).double()
+    embed = model.get_input_embeddings().weight.cpu()
+    return Eagle3Drafter.from_target(model.config, [1, 2, 4], 200, embed, d2t, t2d).double().to(model.device)
 
 
 @pytest.mark.parametrize("kind", ["none", "prompt_lookup", "eagle3", "eagle3_adaptive", "oracle"])
@@ -186,7 +190,7 @@ def test_greedy_commits_exactly_the_targets_greedy_tokens(tiny64, kind):
 def test_eagle3_sampling_runs_and_accounts(tiny64):
     drafter = _eagle3(tiny64)
     target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids)
-    gen = torch.Generator().manual_seed(0)
+    gen = make_generator(tiny64.device, 0)
     r = decode(
         target,
         Eagle3Proposer(drafter, confidence_threshold=0.2),

@@ -11,7 +11,7 @@ import torch
 from draftsmith.eval.engine import TreeSpec, decode
 from draftsmith.eval.proposers import Eagle3Proposer, NoDraft
 from draftsmith.eval.runner import HFTarget
-from draftsmith.eval.sampling import SamplingParams, sample
+from draftsmith.eval.sampling import SamplingParams, make_generator, sample, uniform
 from draftsmith.eval.tree import Tree, prune, sampling_tree_verify, tree_mask
 
 _spec = importlib.util.spec_from_file_location("exactness", pathlib.Path(__file__).with_name("test_exactness.py"))
@@ -68,9 +68,9 @@ class BigramTreeDraft(NoDraft):
 SMALL_TREE = TreeSpec(depth=2, top_k=2, total=5)
 
 
-def emitted_tree(tree_verify, n=20000, seed=0, spec=SMALL_TREE):
-    gen = torch.Generator().manual_seed(seed)
-    target, draft = BigramTreeTarget(P), BigramTreeDraft(Q)
+def emitted_tree(tree_verify, device, n=20000, seed=0, spec=SMALL_TREE):
+    gen = make_generator(device, seed)  # on the tables' device, as sampling there requires
+    target, draft = BigramTreeTarget(P.to(device)), BigramTreeDraft(Q.to(device))
     counts = Counter()
     for _ in range(n):
         r = decode(
@@ -80,8 +80,8 @@ def emitted_tree(tree_verify, n=20000, seed=0, spec=SMALL_TREE):
     return counts
 
 
-def test_sampled_trees_emit_the_targets_distribution():
-    assert chi_square_pvalue(emitted_tree(sampling_tree_verify), exact3()) > 1e-3
+def test_sampled_trees_emit_the_targets_distribution(test_device):
+    assert chi_square_pvalue(emitted_tree(sampling_tree_verify, test_device), exact3()) > 1e-3
 
 
 def no_residual(tree, p, gen):  # bug: after a rejected child, the next sibling is tested against the unchanged p
@@ -89,7 +89,7 @@ def no_residual(tree, p, gen):  # bug: after a rejected child, the next sibling 
     while True:
         dist = p[0 if node == -1 else 1 + node]
         for child in tree.children(node):
-            if float(torch.rand((), generator=gen)) < float(dist[tree.tokens[child]]):
+            if uniform(gen) < float(dist[tree.tokens[child]]):
                 path.append(child)
                 node = child
                 break
@@ -103,7 +103,7 @@ def anticipating_tree(tree, p, gen):  # bug: a child whose token is 1 is accepte
         dist = p[0 if node == -1 else 1 + node].clone()
         for child in tree.children(node):
             x = tree.tokens[child]
-            if x == 1 or float(torch.rand((), generator=gen)) < float(dist[x]):
+            if x == 1 or uniform(gen) < float(dist[x]):
                 path.append(child)
                 node = child
                 break
@@ -114,8 +114,8 @@ def anticipating_tree(tree, p, gen):  # bug: a child whose token is 1 is accepte
 
 
 @pytest.mark.parametrize("broken", [no_residual, anticipating_tree])
-def test_the_chi_square_test_rejects_broken_tree_verifiers(broken):
-    assert chi_square_pvalue(emitted_tree(broken), exact3()) < 1e-6
+def test_the_chi_square_test_rejects_broken_tree_verifiers(broken, test_device):
+    assert chi_square_pvalue(emitted_tree(broken, test_device), exact3()) < 1e-6
 
 
 def test_tree_mask_and_prune():
@@ -128,10 +128,10 @@ def test_tree_mask_and_prune():
 
 
 @pytest.fixture(scope="module")
-def tiny64(tiny_tok):
+def tiny64(tiny_tok, test_device):
     from tests.tiny import tiny_llama
 
-    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64)
+    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
 
 
 @pytest.mark.parametrize("spec", [TreeSpec(depth=3, top_k=2, total=6), TreeSpec(depth=5, top_k=4, total=24)])
@@ -148,7 +148,7 @@ def test_greedy_trees_commit_exactly_the_targets_greedy_tokens(tiny64, spec):
 
 def test_sampled_trees_run_on_a_real_model(tiny64):
     drafter = _ex._eagle3(tiny64)
-    gen = torch.Generator().manual_seed(0)
+    gen = make_generator(tiny64.device, 0)
     r = decode(
         HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids),
         Eagle3Proposer(drafter),
@@ -164,7 +164,8 @@ def test_sampled_trees_run_on_a_real_model(tiny64):
 
 class OracleTreeDraft(NoDraft):
     """Children of each node: the target's greedy token (replaced by a wrong one 30% of the time) plus a random
-    sibling, down `depth` levels along the greedy line, so accepted paths are long and branch."""
+    sibling, down `depth` levels along the greedy line, so accepted paths are long and branch (the corruption and
+    the siblings drawn by a CPU generator of its own: the same trees on every device)."""
 
     def __init__(self, model, seed):
         self.model, self.rng = model, torch.Generator().manual_seed(seed)
