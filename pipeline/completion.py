@@ -41,6 +41,11 @@ from draftsmith.pipeline.target import chat_template_digest, load_config_of, res
 log = logging.getLogger(__name__)
 
 
+LEGACY_PROGRESS = "plan.json"
+"""The progress record of draftsmith before this rule: read as one without inputs (stale), so that an old
+unfinished artifact is never continued with settings nobody checked."""
+
+
 class Status(enum.Enum):
     ABSENT = "absent"
     RESUMABLE = "resumable"
@@ -90,7 +95,8 @@ def completion(directory: Path, inputs: dict[str, Any]) -> Completion:
     """The rule (module docstring): COMPLETE, RESUMABLE, STALE or ABSENT for an artifact made from `inputs`."""
     directory = Path(directory)
     inputs = _normalized(inputs)
-    manifest, progress = _read(directory / MANIFEST), _read(directory / PROGRESS)
+    manifest = _read(directory / MANIFEST)
+    progress = _read(directory / PROGRESS) or _read(directory / LEGACY_PROGRESS)
     record, status = (manifest, Status.COMPLETE) if manifest is not None else (progress, Status.RESUMABLE)
     if record is None:
         return Completion(Status.ABSENT, directory)

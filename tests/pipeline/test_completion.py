@@ -45,6 +45,11 @@ def test_the_rule_on_records_alone(tmp_path):
     assert completion(d, INPUTS).status is Status.STALE
     write_manifest(d, "generated", inputs=INPUTS, status="running")
     assert completion(d, INPUTS).status is Status.STALE
+    # work left by a draftsmith from before the rule (a plan.json, no inputs) is not continued unchecked
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "plan.json").write_text(json.dumps(INPUTS))
+    assert completion(old, INPUTS).differences == ("recorded without its inputs",)
 
 
 def test_start_refuses_stale_work_and_marks_new_work(tmp_path):
