@@ -6,7 +6,7 @@ from torch.nn import functional as F
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
 
-def test_confidence_head_calibrates_on_a_synthetic_case():
+def test_confidence_head_calibrates_on_a_synthetic_case(test_device):
     torch.manual_seed(0)
     cfg = Eagle3Config(
         vocab_size=50,
@@ -19,14 +19,15 @@ def test_confidence_head_calibrates_on_a_synthetic_case():
         intermediate_size=32,
         aux_layer_ids=[1, 2, 3],
     )
-    model = Eagle3Drafter(cfg)
+    model = Eagle3Drafter(cfg).to(test_device)  # initialized on the CPU: the same weights on every device
     rate = torch.rand(cfg.vocab_size)  # each conditioning token has its own true acceptance probability
 
     def sample(n):
+        """Drawn from the CPU's global generator (the same data on every device), then moved to the model's."""
         tokens = torch.randint(0, cfg.vocab_size, (n,))
         hidden = torch.randn(n, cfg.hidden_size)
         accepted = torch.bernoulli(rate[tokens])  # what greedy verification reports: accepted or not
-        return hidden, tokens, accepted
+        return hidden.to(test_device), tokens.to(test_device), accepted.to(test_device)
 
     opt = torch.optim.Adam(model.confidence.parameters(), lr=0.05)
     before = None
@@ -50,5 +51,5 @@ def test_confidence_head_calibrates_on_a_synthetic_case():
         if (bins == b).any()
     )
     assert ece < 0.03, float(ece)
-    assert (p - rate[tokens]).abs().mean() < 0.08  # it recovers the per-token acceptance rates
+    assert (p - rate.to(test_device)[tokens]).abs().mean() < 0.08  # it recovers the per-token acceptance rates
     assert loss.item() < before

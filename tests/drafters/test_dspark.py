@@ -10,11 +10,13 @@ from draftsmith.drafters.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.drafters.losses import teacher_from_final
 from draftsmith.drafters.objectives import DSparkObjectiveSettings, dspark_objective, sample_anchors
 from draftsmith.drafters.vocab import draft_to_target_ids, select_draft_vocab
+from draftsmith.eval.sampling import make_generator
 
 V, D, H, HT = 97, 41, 32, 24
 
 
-def _drafter(num_layers=2, markov_rank=16, dtype=torch.float64, seed=0, block_size=4):
+def _drafter(num_layers=2, markov_rank=16, dtype=torch.float64, seed=0, block_size=4, device="cpu"):
+    """A random drafter, initialized on the CPU (the same weights on every device) and then moved to `device`."""
     torch.manual_seed(seed)
     cfg = DSparkConfig(
         vocab_size=V,
@@ -41,28 +43,28 @@ def _drafter(num_layers=2, markov_rank=16, dtype=torch.float64, seed=0, block_si
                 p.uniform_(0.5, 1.5)
         if model.markov_head is not None:
             model.markov_head.markov_w1.weight.normal_(0, 1.0)  # a bias large enough to matter
-    return model
+    return model.to(device)
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(num_layers=1, markov_rank=0), dict(block_size=1)])
-def test_packed_multi_anchor_forward_equals_one_anchor_inference(variant):
-    model = _drafter(**variant)
+def test_packed_multi_anchor_forward_equals_one_anchor_inference(variant, test_device):
+    model = _drafter(**variant, device=test_device)
     G = model.config.block_size
     B, T = 2, 15
     g = torch.Generator().manual_seed(1)
-    aux = torch.randn(B, T, 3 * HT, generator=g, dtype=torch.float64)
-    ids = torch.randint(0, V - 1, (B, T), generator=g)
-    attention = torch.ones(B, T, dtype=torch.bool)
+    aux = torch.randn(B, T, 3 * HT, generator=g, dtype=torch.float64).to(test_device)
+    ids = torch.randint(0, V - 1, (B, T), generator=g).to(test_device)
+    attention = torch.ones(B, T, dtype=torch.bool, device=test_device)
     attention[1, 11:] = False  # a shorter second sequence (right padding)
-    anchors = torch.tensor([[0, 3, 7, 9], [2, 5, 6, 10]])
+    anchors = torch.tensor([[0, 3, 7, 9], [2, 5, 6, 10]], device=test_device)
     with torch.no_grad():
         logits, conf, prev = model(aux, ids, attention, anchors)
     for b in range(B):
         for a, p in enumerate(anchors[b].tolist()):
             cache = model.new_cache()
             if p > 0:
-                model.extend_context(cache, aux[b : b + 1, :p], torch.arange(p).unsqueeze(0))
-            h, base = model.draft_block(cache, ids[b : b + 1, p], torch.tensor([p]))
+                model.extend_context(cache, aux[b : b + 1, :p], torch.arange(p, device=test_device).unsqueeze(0))
+            h, base = model.draft_block(cache, ids[b : b + 1, p], torch.tensor([p], device=test_device))
             for k in range(G):
                 x_prev = ids[b, min(p + k, T - 1)]  # teacher-forced previous token (the anchor for k = 0)
                 lk, ck = model.heads(h[:, k], x_prev.view(1), base[:, k])
@@ -71,13 +73,13 @@ def test_packed_multi_anchor_forward_equals_one_anchor_inference(variant):
                 assert prev[b, a, k] == x_prev
 
 
-def test_packed_forward_would_differ_if_blocks_saw_each_other():
+def test_packed_forward_would_differ_if_blocks_saw_each_other(test_device):
     """Guard: with the packed mask opened across blocks the logits change, so the equality above is not vacuous."""
-    model = _drafter()
-    aux = torch.randn(1, 12, 3 * HT, dtype=torch.float64)
-    ids = torch.randint(0, V - 1, (1, 12))
-    att = torch.ones(1, 12, dtype=torch.bool)
-    anchors = torch.tensor([[2, 6]])
+    model = _drafter(device=test_device)
+    aux = torch.randn(1, 12, 3 * HT, dtype=torch.float64).to(test_device)
+    ids = torch.randint(0, V - 1, (1, 12)).to(test_device)
+    att = torch.ones(1, 12, dtype=torch.bool, device=test_device)
+    anchors = torch.tensor([[2, 6]], device=test_device)
     with torch.no_grad():
         together = model(aux, ids, att, anchors)[0][0, 1]
         alone = model(aux, ids, att, anchors[:, 1:])[0][0, 0]
@@ -87,11 +89,11 @@ def test_packed_forward_would_differ_if_blocks_saw_each_other():
     assert (shifted - alone).abs().max() > 1e-3
 
 
-def test_sequential_bias_is_W1_of_previous_token_times_W2_and_moves_sampling():
-    model = _drafter()
-    h = torch.randn(1, H, dtype=torch.float64)
+def test_sequential_bias_is_W1_of_previous_token_times_W2_and_moves_sampling(test_device):
+    model = _drafter(device=test_device)
+    h = torch.randn(1, H, dtype=torch.float64).to(test_device)
     base = model.lm_head(h)
-    a, b = torch.tensor([5]), torch.tensor([17])
+    a, b = torch.tensor([5], device=test_device), torch.tensor([17], device=test_device)
     la, _ = model.heads(h, a, base)
     lb, _ = model.heads(h, b, base)
     w1, w2 = model.markov_head.markov_w1.weight, model.markov_head.markov_w2.weight
@@ -101,18 +103,18 @@ def test_sequential_bias_is_W1_of_previous_token_times_W2_and_moves_sampling():
     pa, pb = torch.softmax(la, -1), torch.softmax(lb, -1)
     assert 0.5 * (pa - pb).abs().sum() > 0.05
     # and sampling follows the biased distribution (frequency check over many draws)
-    gen = torch.Generator().manual_seed(0)
+    gen = make_generator(test_device, 0)  # multinomial on a device takes a generator of that device
     draws = torch.multinomial(pa[0].float(), 20000, replacement=True, generator=gen)
     freq = torch.bincount(draws, minlength=D).double() / 20000
     assert (freq - pa[0]).abs().max() < 0.02
 
 
-def test_training_time_test_mode_conditions_on_the_drafters_own_samples():
-    model = _drafter()
-    aux = torch.randn(1, 12, 3 * HT, dtype=torch.float64)
-    ids = torch.randint(0, V - 1, (1, 12))
-    att = torch.ones(1, 12, dtype=torch.bool)
-    anchors = torch.tensor([[3]])
+def test_training_time_test_mode_conditions_on_the_drafters_own_samples(test_device):
+    model = _drafter(device=test_device)
+    aux = torch.randn(1, 12, 3 * HT, dtype=torch.float64).to(test_device)
+    ids = torch.randint(0, V - 1, (1, 12)).to(test_device)
+    att = torch.ones(1, 12, dtype=torch.bool, device=test_device)
+    anchors = torch.tensor([[3]], device=test_device)
     with torch.no_grad():
         logits, _, prev = model(aux, ids, att, anchors, sample_temperature=0.0)
     draft_ids = draft_to_target_ids(model.d2t)
@@ -121,14 +123,14 @@ def test_training_time_test_mode_conditions_on_the_drafters_own_samples():
         assert prev[0, 0, k] == draft_ids[logits[0, 0, k - 1].argmax()]
 
 
-def test_confidence_target_is_the_exact_acceptance_probability():
+def test_confidence_target_is_the_exact_acceptance_probability(test_device):
     """The BCE target at T>0 equals Σ_x min(p(x), q(x)) over the FULL target vocabulary = 1 - TV(p, q)."""
     torch.manual_seed(0)
-    model = _drafter()
+    model = _drafter(device=test_device)
     draft_ids = draft_to_target_ids(model.d2t)
-    head = torch.randn(V, H, dtype=torch.float64)
-    final = torch.randn(1, 3, H, dtype=torch.float64)
-    logits = torch.randn(1, 3, D, dtype=torch.float64)
+    head = torch.randn(V, H, dtype=torch.float64).to(test_device)
+    final = torch.randn(1, 3, H, dtype=torch.float64).to(test_device)
+    logits = torch.randn(1, 3, D, dtype=torch.float64).to(test_device)
     T = 0.7
     teacher = teacher_from_final(final, head, draft_ids, T)
     from draftsmith.drafters.losses import acceptance
@@ -141,6 +143,7 @@ def test_confidence_target_is_the_exact_acceptance_probability():
 
 
 def _batch(B=2, T=20, seed=0):
+    """A batch as the loader gives it: on the CPU (the objectives move it to the device of the head)."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.zeros(B, T, dtype=torch.uint8)
     mask[:, 6:] = 1
@@ -154,22 +157,25 @@ def _batch(B=2, T=20, seed=0):
     }
 
 
-def test_anchors_are_supervised_positions_redrawn_per_epoch_and_reproducible():
+def test_anchors_are_supervised_positions_redrawn_per_epoch_and_reproducible(test_device):
     batch = _batch()
-    att = batch["attention_mask"]
-    a0, v0 = sample_anchors(batch["loss_mask"], att, batch["ids"], 5, seed=0, epoch=0)
-    again, _ = sample_anchors(batch["loss_mask"], att, batch["ids"], 5, seed=0, epoch=0)
-    a1, _ = sample_anchors(batch["loss_mask"], att, batch["ids"], 5, seed=0, epoch=1)
+    att, loss_mask = batch["attention_mask"].to(test_device), batch["loss_mask"].to(test_device)  # as the objective
+    a0, v0 = sample_anchors(loss_mask, att, batch["ids"], 5, seed=0, epoch=0)
+    again, _ = sample_anchors(loss_mask, att, batch["ids"], 5, seed=0, epoch=0)
+    a1, _ = sample_anchors(loss_mask, att, batch["ids"], 5, seed=0, epoch=1)
+    # the draw is the CPU generator's: the same anchors whatever the device (and so on every rank of a mixed run)
+    on_cpu, _ = sample_anchors(batch["loss_mask"], batch["attention_mask"], batch["ids"], 5, seed=0, epoch=0)
+    assert a0.device.type == test_device.type and torch.equal(a0.cpu(), on_cpu)
     assert torch.equal(a0, again) and not torch.equal(a0, a1)
     assert v0.all() and (a0 >= 5).all() and (a0 <= 18).all()  # next token (p+1) supervised and inside the sequence
-    few, valid = sample_anchors(batch["loss_mask"], att, batch["ids"], 100, seed=0, epoch=0)
+    few, valid = sample_anchors(loss_mask, att, batch["ids"], 100, seed=0, epoch=0)
     assert valid.sum(1).tolist() == [14, 14]  # every candidate once, no duplicates
     assert all(len(set(r[v].tolist())) == 14 for r, v in zip(few, valid))
 
 
-def test_objective_trains_and_reports_per_slot_statistics():
-    model = _drafter(dtype=torch.float32).train()
-    head = torch.randn(V, H)
+def test_objective_trains_and_reports_per_slot_statistics(test_device):
+    model = _drafter(dtype=torch.float32, device=test_device).train()
+    head = torch.randn(V, H).to(test_device)
     s = DSparkObjectiveSettings(block_size=4, anchors_per_sequence=6, temperature=1.0)
     batch = _batch()
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
@@ -191,6 +197,7 @@ def test_objective_trains_and_reports_per_slot_statistics():
 def test_sequential_temperature_scaling_lowers_heldout_ece():
     """Confidences that are systematically over-confident (logits 3x too large) get temperatures > 1 and a lower
     survival ECE on fresh data from the same process."""
+    # CPU-only: calibration runs on the CPU by construction (train.calibrate gathers the confidences there)
 
     def make(n, seed):
         g = torch.Generator().manual_seed(seed)
@@ -209,30 +216,33 @@ def test_sequential_temperature_scaling_lowers_heldout_ece():
     assert max(after) < 0.03
 
 
-def test_sampled_markov_inputs_supervise_a_slot_only_while_its_conditioning_matches_the_data():
+def test_sampled_markov_inputs_supervise_a_slot_only_while_its_conditioning_matches_the_data(test_device):
     """With sample_markov_inputs, slot k is conditioned on the drafter's own samples; its teacher (the target after
     the data prefix) is only right while those samples equal the data tokens, so later slots are masked."""
     from draftsmith.drafters.objectives import _dspark_forward
 
-    model = _drafter(dtype=torch.float32)
+    model = _drafter(dtype=torch.float32, device=test_device)
     batch = _batch()
-    head = torch.randn(V, H)
+    head = torch.randn(V, H).to(test_device)
+    on_device = {k: v.to(test_device) for k, v in batch.items() if torch.is_tensor(v)}  # for the direct forward
     forced = DSparkObjectiveSettings(block_size=4, anchors_per_sequence=6, temperature=0.0)
     sampled = DSparkObjectiveSettings(block_size=4, anchors_per_sequence=6, temperature=0.0, sample_markov_inputs=True)
     with torch.no_grad():
         _, _, _, valid_forced, _ = _dspark_forward(model, batch, head, forced, model)
         logits, _, _, valid, _ = _dspark_forward(model, batch, head, sampled, model)
         _, _, prev = model(
-            batch["aux"],
-            batch["input_ids"],
-            batch["attention_mask"],
-            sample_anchors(batch["loss_mask"], batch["attention_mask"], batch["ids"], 6, 0, 0)[0],
+            on_device["aux"],
+            on_device["input_ids"],
+            on_device["attention_mask"],
+            sample_anchors(on_device["loss_mask"], on_device["attention_mask"], batch["ids"], 6, 0, 0)[0],
             0.0,
         )
     G = 4
-    anchors, _ = sample_anchors(batch["loss_mask"], batch["attention_mask"], batch["ids"], 6, 0, 0)
+    anchors, _ = sample_anchors(on_device["loss_mask"], on_device["attention_mask"], batch["ids"], 6, 0, 0)
     data_prev = (
-        batch["input_ids"].gather(1, (anchors[..., None] + torch.arange(G)).clamp_max(19).view(2, -1)).view(2, -1, G)
+        on_device["input_ids"]
+        .gather(1, (anchors[..., None] + torch.arange(G, device=test_device)).clamp_max(19).view(2, -1))
+        .view(2, -1, G)
     )
     matches = (prev == data_prev).long().cumprod(-1).bool().view(2, -1)
     assert valid_forced.view(2, -1, G)[..., 1:].any()  # teacher-forced: later slots are supervised

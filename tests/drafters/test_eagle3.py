@@ -6,7 +6,8 @@ import torch
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
 
-def _drafter(num_layers=1, norm_before_residual=False, dtype=torch.float64, seed=0):
+def _drafter(num_layers=1, norm_before_residual=False, dtype=torch.float64, seed=0, device="cpu"):
+    """A random drafter, initialized on the CPU (the same weights on every device) and then moved to `device`."""
     torch.manual_seed(seed)
     cfg = Eagle3Config(
         vocab_size=97,
@@ -26,17 +27,17 @@ def _drafter(num_layers=1, norm_before_residual=False, dtype=torch.float64, seed
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    return model
+    return model.to(device)
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])
 @pytest.mark.parametrize("variant", [dict(), dict(num_layers=2), dict(norm_before_residual=True)])
-def test_ttt_step_i_equals_cached_autoregressive_drafting(steps, variant):
-    model = _drafter(**variant)
+def test_ttt_step_i_equals_cached_autoregressive_drafting(steps, variant, test_device):
+    model = _drafter(**variant, device=test_device)
     B, T = 2, 13
     g = torch.Generator().manual_seed(1)
-    aux = torch.randn(B, T, 3 * 24, generator=g, dtype=torch.float64)
-    ids = torch.randint(0, 97, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * 24, generator=g, dtype=torch.float64).to(test_device)
+    ids = torch.randint(0, 97, (B, T), generator=g).to(test_device)
     with torch.no_grad():
         outs = model.ttt_forward(aux, ids, steps)
     assert len(outs) == steps
@@ -48,7 +49,7 @@ def test_ttt_step_i_equals_cached_autoregressive_drafting(steps, variant):
             logits, conf, hidden = model.decode(
                 aux[b : b + 1, : t + 1],
                 ids[b : b + 1, 1 : t + 2],
-                torch.arange(t + 1).unsqueeze(0),
+                torch.arange(t + 1, device=test_device).unsqueeze(0),
                 cache,
                 from_target=True,
             )
@@ -60,7 +61,11 @@ def test_ttt_step_i_equals_cached_autoregressive_drafting(steps, variant):
                     break
                 # step i: the drafter's own previous hidden state and the next token, at position t+i
                 logits, conf, h = model.decode(
-                    h, ids[b : b + 1, t + 1 + i : t + 2 + i], torch.tensor([[t + i]]), cache, from_target=False
+                    h,
+                    ids[b : b + 1, t + 1 + i : t + 2 + i],
+                    torch.tensor([[t + i]], device=test_device),
+                    cache,
+                    from_target=False,
                 )
                 torch.testing.assert_close(logits[0, 0], outs[i][0][b, t], rtol=0, atol=1e-10)
                 torch.testing.assert_close(conf[0, 0], outs[i][1][b, t], rtol=0, atol=1e-10)
@@ -68,11 +73,11 @@ def test_ttt_step_i_equals_cached_autoregressive_drafting(steps, variant):
     assert checked > 0 or steps == 1
 
 
-def test_ttt_would_differ_without_the_diagonal_keys():
+def test_ttt_would_differ_without_the_diagonal_keys(test_device):
     """Guard for the test above: dropping the diagonal keys changes step>=1 logits, so the equality is not vacuous."""
-    model = _drafter()
-    aux = torch.randn(1, 9, 72, dtype=torch.float64)
-    ids = torch.randint(0, 97, (1, 9))
+    model = _drafter(device=test_device)
+    aux = torch.randn(1, 9, 72, dtype=torch.float64).to(test_device)
+    ids = torch.randint(0, 97, (1, 9)).to(test_device)
     with torch.no_grad():
         full = model.ttt_forward(aux, ids, 2)[1][0]
         attn = model.midlayer.self_attn
@@ -85,10 +90,10 @@ def test_ttt_would_differ_without_the_diagonal_keys():
     assert (full - broken).abs().max() > 1e-3
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
-    model = _drafter(dtype=torch.float64).train()
-    aux = torch.randn(2, 10, 72, dtype=torch.float64)
-    ids = torch.randint(0, 97, (2, 10))
+def test_gradient_checkpointing_gives_the_same_gradients(test_device):
+    model = _drafter(dtype=torch.float64, device=test_device).train()
+    aux = torch.randn(2, 10, 72, dtype=torch.float64).to(test_device)
+    ids = torch.randint(0, 97, (2, 10)).to(test_device)
     grads = []
     for ckpt in (False, True):
         model.zero_grad()
@@ -101,7 +106,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert "embed_tokens.weight" not in grads[0]  # frozen
 
 
-def test_save_and_load_round_trip(tmp_path):
+def test_save_and_load_round_trip(tmp_path):  # CPU-only: serialization, no device math
     model = _drafter(dtype=torch.float32)
     model.d2t.copy_(torch.arange(41) * 1)
     model.save_pretrained(tmp_path)
@@ -122,7 +127,7 @@ def test_save_and_load_round_trip(tmp_path):
     assert again.midlayer.self_attn.q_proj.weight.shape == (4 * 8, 2 * 32)  # layer 0 takes 2H
 
 
-def test_lm_head_starts_from_the_targets_rows_of_the_draft_vocab():
+def test_lm_head_starts_from_the_targets_rows_of_the_draft_vocab(test_device):
     from types import SimpleNamespace
 
     from draftsmith.drafters.vocab import draft_to_target_ids, select_draft_vocab
@@ -138,11 +143,12 @@ def test_lm_head_starts_from_the_targets_rows_of_the_draft_vocab():
         rope_theta=10000.0,
         max_position_embeddings=128,
     )
-    d2t, t2d = select_draft_vocab(torch.rand(97), 41)
-    embed, head = torch.randn(97, 32), torch.randn(97, 32)
+    d2t, t2d = select_draft_vocab(torch.rand(97), 41)  # from token counts: on the CPU, as the trainer makes it
+    # the target's embedding and head where the trainer has them: on its device
+    embed, head = torch.randn(97, 32).to(test_device), torch.randn(97, 32).to(test_device)
     fresh = Eagle3Drafter.from_target(tcfg, [1, 2, 3], 41, embed, d2t, t2d)
     seeded = Eagle3Drafter.from_target(tcfg, [1, 2, 3], 41, embed, d2t, t2d, head_weight=head)
-    assert torch.equal(seeded.lm_head.weight, head[draft_to_target_ids(d2t)])
+    assert torch.equal(seeded.lm_head.weight, head[draft_to_target_ids(d2t)].cpu())
     assert seeded.lm_head.weight.requires_grad and not torch.equal(fresh.lm_head.weight, seeded.lm_head.weight)
 
 
@@ -160,11 +166,11 @@ class _PerfectDrafter(torch.nn.Module):
         outs = []
         for i in range(steps):
             shifted = torch.cat([self.logp[:, 1 + i :], self.logp[:, : 1 + i].flip(1)], dim=1)[:, :T]
-            outs.append((shifted, torch.zeros(shifted.shape[:2])))
+            outs.append((shifted, torch.zeros(shifted.shape[:2], device=shifted.device)))
         return outs
 
 
-def test_the_objectives_offsets_slot_t_at_step_i_predicts_token_t_plus_2_plus_i():
+def test_the_objectives_offsets_slot_t_at_step_i_predicts_token_t_plus_2_plus_i(test_device):
     """Pinned against an off-by-one: a drafter that outputs the teacher at position t+1+i for slot t of step i is
     right everywhere the mask counts (accuracy 1, soft-label loss = the teacher's entropy), and the mask counts
     slot t of step i exactly when token t+2+i is supervised."""
@@ -173,8 +179,8 @@ def test_the_objectives_offsets_slot_t_at_step_i_predicts_token_t_plus_2_plus_i(
 
     V, H, B, T, steps = 11, 8, 2, 12, 3
     g = torch.Generator().manual_seed(0)
-    head = torch.randn(V, H, generator=g, dtype=torch.float64) * 3
-    final = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    head = (torch.randn(V, H, generator=g, dtype=torch.float64) * 3).to(test_device)  # the objective's device
+    final = torch.randn(B, T, H, generator=g, dtype=torch.float64)  # the batch stays on the CPU, as loaded
     loss_mask = torch.zeros(B, T, dtype=torch.uint8)
     loss_mask[0, 4:10] = 1
     loss_mask[1, 2:12] = 1
@@ -185,8 +191,8 @@ def test_the_objectives_offsets_slot_t_at_step_i_predicts_token_t_plus_2_plus_i(
         "aux": torch.zeros(B, T, 3),
         "final": final,
     }
-    teacher = teacher_from_final(final, head, torch.arange(V), 1.0)
-    model = _PerfectDrafter(teacher.probs.log(), V)
+    teacher = teacher_from_final(final.to(test_device), head, torch.arange(V, device=test_device), 1.0)
+    model = _PerfectDrafter(teacher.probs.log(), V).to(test_device)
     s = ObjectiveSettings(steps=steps, temperature=1.0, confidence_weight=0.0)
     _, stats = eagle3_objective(model, batch, head, s)
     for i in range(steps):

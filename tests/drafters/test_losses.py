@@ -8,17 +8,18 @@ from draftsmith.drafters.losses import acceptance, position_losses, teacher_from
 V, D, H = 300, 64, 32
 
 
-def _case(seed=0):
+def _case(device, seed=0):
+    """Drawn on the CPU (the same values on every device), then moved to `device`."""
     g = torch.Generator().manual_seed(seed)
     head = torch.randn(V, H, generator=g) * 2.0  # logits of ~±20: where bf16 rounding moves probabilities
     final = torch.randn(2, 5, H, generator=g)
     draft_ids = torch.randperm(V, generator=g)[:D].sort().values
     logits = torch.randn(2, 5, D, generator=g) * 3
-    return head, final, draft_ids, logits
+    return tuple(t.to(device) for t in (head, final, draft_ids, logits))
 
 
-def test_tv_and_accept_are_the_full_vocabulary_acceptance():
-    head, final, draft_ids, logits = _case()
+def test_tv_and_accept_are_the_full_vocabulary_acceptance(test_device):
+    head, final, draft_ids, logits = _case(test_device)
     for temperature in (0.7, 1.0):
         teacher = teacher_from_final(final, head, draft_ids, temperature)
         alpha = acceptance(logits, teacher, draft_ids, temperature)
@@ -40,10 +41,10 @@ def test_tv_and_accept_are_the_full_vocabulary_acceptance():
         )
 
 
-def test_the_teacher_is_fp32_inside_a_bf16_autocast_region():
-    head, final, draft_ids, _ = _case(1)
+def test_the_teacher_is_fp32_inside_a_bf16_autocast_region(test_device):
+    head, final, draft_ids, _ = _case(test_device, 1)
     reference = teacher_from_final(final.double(), head.double(), draft_ids, 1.0)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(test_device.type, dtype=torch.bfloat16):
         teacher = teacher_from_final(final, head, draft_ids, 1.0)
     assert teacher.probs.dtype == torch.float32
     torch.testing.assert_close(teacher.probs, reference.probs.float(), rtol=0, atol=1e-5)
