@@ -12,6 +12,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # `auto` dtypes pick bf16 on CPUs with native bf16 and fp32 elsewhere; the suite pins fp32 so that what it asserts
 # does not depend on which CPU runs it (tests/pipeline/test_precision.py covers the choice itself).
 os.environ["DRAFTSMITH_CPU_BF16"] = "0"
+# The device of the numerical tests is one switch, DRAFTSMITH_TEST_DEVICE (the `test_device` fixture). The pipeline's
+# stages take CUDA whenever they see it (model.device=auto, the trainer's Accelerator), so without the switch the GPU
+# is hidden from the session and they run on the CPU like the rest; with it, cuBLAS is made deterministic (the
+# trainer's exact-resume test compares losses bit for bit).
+if os.environ.get("DRAFTSMITH_TEST_DEVICE", "cpu").startswith("cuda"):
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+else:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 

@@ -23,6 +23,37 @@ from tests.tiny import save_tiny_target
 WORKER = Path(__file__).with_name("train_worker.py")
 
 
+@pytest.fixture(autouse=True)
+def _trainers_run_on_the_test_device(test_device, monkeypatch):
+    """Every trainer a test builds in this process runs on the test device: accelerate takes CUDA when it sees it,
+    and the session hides the GPU unless DRAFTSMITH_TEST_DEVICE=cuda (tests/conftest.py)."""
+    devices = []
+    real_init = train_stage.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        devices.append(self.device)
+
+    monkeypatch.setattr(train_stage.Trainer, "__init__", init)
+    yield
+    assert all(d.type == test_device.type for d in devices), (devices, test_device)
+
+
+@pytest.fixture
+def deterministic(test_device):
+    """On CUDA, the kernels that add in a varying order (atomics) replaced by deterministic ones, for the tests that
+    compare floats bit for bit (on the CPU they are deterministic already)."""
+    if test_device.type != "cuda":
+        yield
+        return
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, write_chats):
     """A tiny 4-layer target with prepared data and an fp32 feature store, shared by the tests (copied per test)."""
@@ -42,6 +73,10 @@ def workspace(tmp_path_factory, write_chats):
         "train.eval_every=1000",
         "train.save_every=1000",
         "train.draft_vocab_size=384",
+        # fp32 on every device (`auto` is bf16 on CUDA; conftest pins fp32 on CPUs): what the tests assert does not
+        # depend on where they run
+        "model.dtype=float32",
+        "train.mixed_precision='no'",
     ]
     cfg = load_config(None, [f"run_dir={root / 'run'}", *base])
     run_prepare(cfg)
@@ -99,7 +134,7 @@ def test_overfits_a_small_set(workspace, tmp_path, write_chats):
     assert (out / "final" / "model.safetensors").is_file() and m["steps"] == 50 * len(logs)
 
 
-def test_resume_is_exact(workspace, tmp_path, monkeypatch):
+def test_resume_is_exact(workspace, tmp_path, monkeypatch, deterministic):
     common = ["train.max_steps=9", "train.save_every=3", "train.lr=2e-3", "train.temperature=0.8"]
     ref = _cfg(workspace, tmp_path / "ref", *common)
     train_stage.run_train(ref)
@@ -128,7 +163,8 @@ def test_resume_is_exact(workspace, tmp_path, monkeypatch):
 
 
 def _torchrun(recipe, out, env_extra, *overrides):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+    # CPU-only: two ranks cannot share one GPU over NCCL; with the GPU hidden they run over gloo on the CPU
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env_extra)
     proc = subprocess.run(
         [
             sys.executable,
@@ -151,7 +187,9 @@ def _torchrun(recipe, out, env_extra, *overrides):
     return proc.stdout
 
 
-def test_two_ranks_ddp_and_deepspeed_zero2_match_one_process(workspace, tmp_path):
+def test_two_ranks_ddp_and_deepspeed_zero2_match_one_process(workspace, tmp_path, test_device):
+    if test_device.type != "cpu":  # CPU-only: the ranks run over gloo on the CPU, and so must the one-process run
+        pytest.skip("2 ranks over gloo run on the CPU; their one-process reference must too (run without the switch)")
     common = ["train.max_steps=4", "train.lr=2e-3"]
     single = _cfg(workspace, tmp_path / "single", *common, "train.gradient_accumulation=2")
     train_stage.run_train(single)
@@ -180,7 +218,8 @@ def test_two_ranks_ddp_and_deepspeed_zero2_match_one_process(workspace, tmp_path
 
 def test_deepspeed_bf16_with_wandb_saves_fp32_and_keeps_the_process_group(workspace, tmp_path):
     """2 ranks, DeepSpeed ZeRO-2 in bf16, wandb logging: training ends without destroying the process group (the
-    worker meets the other rank afterwards, as the next family and stage do), and the saved drafter is fp32."""
+    worker meets the other rank afterwards, as the next family and stage do), and the saved drafter is fp32.
+    CPU-only whatever the test device: its 2 ranks run over gloo (see _torchrun)."""
     pytest.importorskip("wandb")
     cfg = _cfg(workspace, tmp_path / "ds", "train.max_steps=2", "train.report_to=wandb", "train.mixed_precision=bf16")
     recipe = tmp_path / "ds.yaml"
