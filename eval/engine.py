@@ -1,7 +1,12 @@
-"""The decoding engine: prefill, then rounds of draft -> one target pass -> verify -> commit -> rollback.
+"""The decoding engine: prefill, then rounds of draft -> one target pass -> verify -> commit, for a batch of prompts.
 
-τ (acceptance length) = tokens committed per verification pass, the correction/bonus token included;
-the prefill pass (which yields the first token) is not a verification pass and is not counted.
+Every eval configuration runs here: a batch of one is the same code as a batch of many, and chains (plain decoding,
+prompt lookup, EAGLE-3, DSpark blocks) and trees are proposals of one interface (`eval.proposers`). Each rule is
+written once: verification and the stop rule in `eval.verify` / `eval.tree`, adaptive length in the proposers, what
+a row keeps of a round in `eval.runner`.
+
+τ (acceptance length) = tokens committed per verification pass, the correction/bonus token included; the prefill
+pass (which yields the first token) is not a verification pass and is not counted.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.eval.sampling import SamplingParams, probs_from_logits, sample
+from draftsmith.eval.sampling import SamplingParams, one_hot, probs_from_logits, sample
+from draftsmith.eval.tree import greedy_tree_verify, sampling_tree_verify, tree_mask
 from draftsmith.eval.verify import end_round, greedy_verify, sampling_verify
 
 
@@ -44,12 +50,6 @@ class DecodeResult:
         return sum(a + 1 for _, a in self.rounds) / len(self.rounds) if self.rounds else float("nan")
 
 
-def _one_hot(drafts: Sequence[int], vocab: int, device) -> torch.Tensor:
-    q = torch.zeros(len(drafts), vocab, device=device)
-    q[torch.arange(len(drafts)), torch.tensor(list(drafts), dtype=torch.long)] = 1.0
-    return q
-
-
 @dataclass(frozen=True)
 class TreeSpec:
     depth: int = 5
@@ -63,81 +63,131 @@ class TreeSpec:
 def decode(
     target,
     proposer,
-    prompt: Sequence[int],
+    prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     gamma: int,
     max_new_tokens: int,
     stop_ids: Sequence[int] = (),
-    generator: torch.Generator | None = None,
-    verify: Callable = sampling_verify,
+    generators: Sequence[torch.Generator | None] | None = None,
     tree: TreeSpec | None = None,
-    tree_verify: Callable | None = None,
-) -> DecodeResult:
-    """Speculative decoding of one prompt. `target` has reset/step/rollback/length (eval.runner.HFTarget);
-    `proposer` is one of eval.proposers. With `tree`, each round drafts a token tree (the proposer needs
-    `propose_tree`) and verifies it in one pass. `verify` / `tree_verify` are the sampling rules (swappable
-    for tests)."""
-    from draftsmith.eval.tree import greedy_tree_verify, sampling_tree_verify
+    verify: Callable = sampling_verify,
+    tree_verify: Callable = sampling_tree_verify,
+) -> list[DecodeResult]:
+    """Speculative decoding of a batch of prompts, one result per prompt.
 
-    tree_verify = tree_verify or sampling_tree_verify
+    `target` is an `eval.runner.HFTarget` (or anything with its prefill/step/keep/compact); `proposer` one of
+    `eval.proposers`; `gamma` the chain length. `generators` has one generator per row, on the target's device
+    (needed when sampling): row b draws only from its own, so its output does not depend on the batch it is in.
+    With `tree` (one prompt, a proposer with `propose_tree`), each round drafts a token tree and verifies it in one
+    pass. `verify` / `tree_verify` are the sampling rules (swappable for tests)."""
+    B = len(prompts)
+    gens = list(generators) if generators is not None else [None] * B
+    if len(gens) != B:
+        raise ValueError(f"decode: {len(gens)} generators for {B} prompts (one per row)")
+    if tree is not None and B != 1:
+        raise ValueError("tree decoding runs one prompt at a time")
     stops = set(stop_ids)
     device = getattr(target, "device", None)
     started = clock(device)
-    target.reset()
-    logits, feats = target.step(prompt)
-    first = int(logits[-1].argmax()) if params.greedy else sample(probs_from_logits(logits[-1], params), generator)
-    out = [first]
-    result = DecodeResult(tokens=out)
-    proposer.start(prompt, first, feats)
-    history = list(prompt) + out
-    stopped = first in stops
-    while len(out) < max_new_tokens and not stopped:
+    draft_seconds = verify_seconds = 0.0
+    logits, feats, valid = target.prefill(prompts)
+    firsts = [
+        int(logits[b, -1].argmax()) if params.greedy else sample(probs_from_logits(logits[b, -1], params), gens[b])
+        for b in range(B)
+    ]
+    results = [DecodeResult(tokens=[f]) for f in firsts]
+    history = [list(p) + [f] for p, f in zip(prompts, firsts)]
+    active = [len(r.tokens) < max_new_tokens and r.tokens[-1] not in stops for r in results]
+    proposer.start(prompts, firsts, feats, valid)
+    while any(active):
         t0 = clock(device)
         if tree is not None:
-            t = proposer.propose_tree(tree.depth, tree.top_k, tree.total)
-            t1 = clock(device)
-            past = target.length
-            logits, feats = target.step_tree(out[-1], t)
-            if params.greedy:
-                path, new = greedy_tree_verify(t, logits)
-            else:
-                path, new = tree_verify(t, probs_from_logits(logits, params), generator)
-            target.keep_path(past, path)
-            t2 = clock(device)
-            committed, _, accepted, stopped = end_round([t.tokens[i] for i in path], len(path), new, stops)
-            result.rounds.append((max(t.depths, default=0), accepted))
-            result.confidences.append([])
-            rows = torch.tensor([0] + [1 + i for i in path])
-            proposer.commit_path([t.tokens[i] for i in path], new, feats[rows] if feats is not None else None)
+            proposal = proposer.propose_tree(tree.depth, tree.top_k, tree.total)
         else:
-            drafts, q, confs = proposer.propose(history, gamma, params, generator)
-            t1 = clock(device)
-            context = target.length
-            logits, feats = target.step([out[-1]] + list(drafts))
-            if params.greedy:
-                n, new = greedy_verify(drafts, logits)
-            else:
-                p = probs_from_logits(logits, params)
-                if q is None:  # deterministic proposals: q puts all mass on the drafted token
-                    q = _one_hot(drafts, p.shape[-1], p.device)
-                n, new = verify(drafts, q, p, generator)
-            target.rollback(context + 1 + n)
-            t2 = clock(device)
-            committed, drafted, accepted, stopped = end_round(drafts, n, new, stops)
-            result.rounds.append((drafted, accepted))
-            result.confidences.append(list(confs)[:drafted])
-            # EAGLE-3 runs its drafter over the verified tokens here: part of the cost of drafting
-            proposer.commit(drafts, n, new, feats[: n + 1] if feats is not None else None)
-        out += committed
-        history += committed
-        result.verify_seconds += t2 - t1
-        result.draft_seconds += (t1 - t0) + (clock(device) - t2)
-    cut = len(out)
-    for i, t in enumerate(out[:max_new_tokens]):
-        if t in stops:
-            cut = i + 1
-            break
-    result.tokens = out[: min(cut, max_new_tokens)]
-    result.target_passes = target.passes
-    result.seconds = clock(device) - started
-    return result
+            proposal = proposer.propose(history, active, gamma, params, gens)
+        t1 = clock(device)
+        if proposal.tree is not None:
+            drafts, accepted, news, feats, drafted = _verify_tree(
+                target, proposal, history[0][-1], params, gens[0], tree_verify
+            )
+        else:
+            drafts, accepted, news, feats = _verify_chains(target, proposal, history, active, params, gens, verify)
+            drafted = [len(d) for d in drafts]
+        target.compact()
+        t2 = clock(device)
+        for b in range(B):
+            if not active[b]:
+                history[b].append(history[b][-1])  # the dummy slot a finished row keeps
+                continue
+            committed, n_drafted, kept, stopped = end_round(drafts[b], accepted[b], news[b], stops)
+            if kept == accepted[b]:  # no accepted draft was a stop: the round drafted what was proposed
+                n_drafted = drafted[b]  # (a tree records its depth)
+            results[b].tokens += committed
+            history[b] += committed
+            results[b].rounds.append((n_drafted, kept))
+            conf = proposal.confidences[b][:n_drafted] if proposal.confidences else []
+            results[b].confidences.append(conf)
+            active[b] = len(results[b].tokens) < max_new_tokens and not stopped
+        # EAGLE-3 runs its drafter over the verified tokens here: part of the cost of drafting
+        proposer.commit(drafts, accepted, news, feats)
+        verify_seconds += t2 - t1
+        draft_seconds += (t1 - t0) + (clock(device) - t2)
+    seconds = clock(device) - started
+    for r in results:
+        cut = len(r.tokens)
+        for i, t in enumerate(r.tokens[:max_new_tokens]):
+            if t in stops:
+                cut = i + 1
+                break
+        r.tokens = r.tokens[: min(cut, max_new_tokens)]
+        r.target_passes = 1 + len(r.rounds)
+        # the batch's rounds are shared by its rows: each row is charged an equal share
+        r.seconds, r.draft_seconds, r.verify_seconds = seconds / B, draft_seconds / B, verify_seconds / B
+    return results
+
+
+def _verify_chains(target, proposal, history, active, params, gens, verify):
+    """One target pass over every row's last committed token and its drafts; each row keeps its accepted slots.
+    Returns (drafts, accepted, news, feats [B, k+1, F] or None)."""
+    B = len(history)
+    drafts = [d if active[b] else [] for b, d in enumerate(proposal.drafts)]
+    k = max(len(d) for d in drafts)
+    tokens = torch.full((B, k + 1), target.pad_id, dtype=torch.long)
+    ok = torch.zeros(B, k + 1, dtype=torch.bool)
+    for b in range(B):
+        row = [history[b][-1]] + drafts[b]
+        tokens[b, : len(row)] = torch.tensor(row)
+        ok[b, : len(row)] = True
+    logits, feats = target.step(tokens, ok)
+    accepted, news = [], []
+    for b in range(B):
+        d = drafts[b]
+        if params.greedy:
+            n, new = greedy_verify(d, logits[b, : len(d) + 1])
+        else:
+            p = probs_from_logits(logits[b, : len(d) + 1], params)
+            q = proposal.q[b, : len(d)] if proposal.q is not None else one_hot(d, p.shape[-1], p.device)
+            n, new = verify(d, q, p, gens[b]) if active[b] else (0, 0)
+        target.keep(b, k + 1, range(n + 1 if active[b] else 1))
+        accepted.append(n if active[b] else 0)
+        news.append(new)
+    return drafts, accepted, news, feats
+
+
+def _verify_tree(target, proposal, root, params, gen, tree_verify):
+    """One target pass over the root (the last committed token) and every node of the proposal's tree, each seeing
+    its ancestors; the row keeps the root and the accepted path. Returns, as a chain would, (drafts = [path tokens],
+    accepted, news, feats of the root and path [1, 1+len(path), F] or None, drafted = [tree depth])."""
+    t = proposal.tree
+    n = 1 + len(t)
+    tokens = torch.tensor([[root] + list(t.tokens)])
+    depths = torch.tensor([[0] + list(t.depths)])
+    logits, feats = target.step(tokens, torch.ones(1, n, dtype=torch.bool), depths, tree_mask(t, 0)[None])
+    if params.greedy:
+        path, new = greedy_tree_verify(t, logits[0])
+    else:
+        path, new = tree_verify(t, probs_from_logits(logits[0], params), gen)
+    slots = [0] + [1 + i for i in path]
+    target.keep(0, n, slots)
+    kept = feats[:, torch.tensor(slots, device=feats.device)] if feats is not None else None
+    return [[t.tokens[i] for i in path]], [len(path)], [new], kept, [max(t.depths, default=0)]

@@ -1,35 +1,68 @@
-"""Drafters as the decoding engine sees them: propose up to k tokens (with the distributions they were
-sampled from), then learn what the target committed.
+"""Drafters as the decoding engine sees them: each round, propose up to k tokens for every row of the batch (with
+the distributions they were sampled from), then learn what the target committed.
 
 - `NoDraft`: plain decoding (τ = 1 by construction).
-- `PromptLookup`: the no-training baseline: continue the longest recent n-gram match from the context.
+- `PromptLookup`: the no-training baseline: continue the longest recent n-gram match from the row's context.
 - `Eagle3Proposer`: a trained EAGLE-3 drafter with its own KV cache, fed the target's aux features of every
-  verified position and rolled back after rejections; optional adaptive draft length from its confidence head.
+  verified position; chains for any batch, and EAGLE-2-style dynamic trees for one row.
+- `DSparkProposer`: a DSpark-style block drafter: one backbone pass per round drafts the block.
+
+A proposer of a trained drafter keeps its cache like the target's (`eval.runner`): one entry per slot of every row,
+the slots a row did not keep masked as holes, so each row drafts exactly what it would alone.
+
+Adaptive length (`confidence_threshold`): whether a row drafts position i is decided from the drafter's confidence
+c_i, which is read before x_i is drawn, and the running survival c_0 * ... * c_{i-1}: position i >= 1 is dropped,
+with all after it, once c_0 * ... * c_i falls below the threshold. Keeping x_i therefore never depends on x_i
+(non-anticipating), and the emitted tokens stay distributed exactly as the target's. A row draws its tokens from its
+own generator, and only for the positions it drafts, so a row's sampled output does not depend on its batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from draftsmith.drafters.vocab import draft_to_target_ids
 from draftsmith.eval.sampling import SamplingParams, probs_from_logits, sample
+from draftsmith.eval.tree import Tree, prune
+
+
+@dataclass
+class Proposal:
+    """One round's drafts for every row."""
+
+    drafts: list[list[int]]
+    """Per row, the drafted tokens (empty: the row drafts nothing this round)."""
+    q: torch.Tensor | None = None
+    """[B, k, V]: row b's first len(drafts[b]) rows are the full-vocabulary distributions its drafts were sampled
+    from; None when the drafts are deterministic (greedy, prompt lookup): q is then one-hot on each draft."""
+    confidences: list[list[float]] | None = None
+    """Per row, the drafter's confidence of each drafted position (None: the drafter has none)."""
+    tree: Tree | None = None
+    """A token tree instead of chains (one row)."""
 
 
 class NoDraft:
     name = "none"
-    needs_features = False
+    aux_ids: list[int] = []
+    """Target layers whose features the proposer reads (none)."""
 
-    def start(self, prompt: Sequence[int], first: int, feats) -> None:
+    def start(self, prompts: Sequence[Sequence[int]], firsts: Sequence[int], feats, valid) -> None:
         pass
 
     def propose(
-        self, history: Sequence[int], k: int, params: SamplingParams, gen
-    ) -> tuple[list[int], torch.Tensor | None, list[float]]:
-        return [], None, []
+        self,
+        histories: Sequence[Sequence[int]],
+        active: Sequence[bool],
+        k: int,
+        params: SamplingParams,
+        generators: Sequence[torch.Generator | None],
+    ) -> Proposal:
+        return Proposal([[] for _ in histories])
 
-    def commit(self, drafts: Sequence[int], n: int, new: int, feats) -> None:
+    def commit(self, drafts: Sequence[Sequence[int]], accepted: Sequence[int], news: Sequence[int], feats) -> None:
         pass
 
 
@@ -41,23 +74,25 @@ class PromptLookup(NoDraft):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, history, k, params, gen):
+    def lookup(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the longest matching tail n-gram."""
         seq = list(history)
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             tail = seq[-n:]
-            # most recent earlier occurrence of the last n tokens
             for start in range(len(seq) - n - 1, -1, -1):
                 if seq[start : start + n] == tail:
                     follow = seq[start + n : start + n + k]
                     if follow:
-                        return follow, None, []
-        return [], None, []
+                        return follow
+        return []
+
+    def propose(self, histories, active, k, params, generators):
+        return Proposal([self.lookup(h, k) if a else [] for h, a in zip(histories, active)])
 
 
-class TrainedProposer:
-    """What proposers of trained drafters share: the draft->target vocabulary map and drawing one draft token."""
-
-    needs_features = True
+class TrainedProposer(NoDraft):
+    """What proposers of trained drafters share: the draft->target vocabulary map, drawing one token per row, the
+    adaptive-length rule, and the key mask over the drafter's cache."""
 
     def __init__(self, drafter, confidence_threshold: float | None = None):
         self.drafter = drafter.eval()
@@ -65,75 +100,114 @@ class TrainedProposer:
         self.ids = draft_to_target_ids(drafter.d2t).to(self.device)
         self.vocab = drafter.config.vocab_size
         self.threshold = confidence_threshold
-        self.aux_ids = drafter.config.aux_layer_ids
+        self.aux_ids = list(drafter.config.aux_layer_ids)
 
-    def _draw(self, logits: torch.Tensor, params: SamplingParams, gen) -> tuple[int, torch.Tensor | None]:
-        """(target token id, the full-vocabulary q it was sampled from; None when greedy) from draft-vocab logits."""
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, generators, rows: torch.Tensor):
+        """(target token ids [B] on the CPU, the full-vocabulary q [B, V] they were sampled from; None when greedy)
+        from draft-vocab logits [B, D]. Only the `rows` that draft this position draw (with their own generator);
+        the others get token 0, which nothing verifies."""
         if params.greedy:
-            return int(self.ids[logits.argmax()]), None
+            return self.ids[logits.argmax(-1)].cpu(), None
         qd = probs_from_logits(logits, params)
-        q = torch.zeros(self.vocab, device=self.device, dtype=qd.dtype)
-        q[self.ids] = qd
-        return sample(q, gen), q
+        q = torch.zeros(logits.shape[0], self.vocab, dtype=qd.dtype, device=self.device)
+        q[:, self.ids] = qd
+        tokens = [sample(q[b], generators[b]) if rows[b] else 0 for b in range(logits.shape[0])]
+        return torch.tensor(tokens), q
+
+    def _admit(self, i: int, conf: torch.Tensor, survival: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
+        """The rows that draft position i: those still drafting whose running survival with c_i (`conf` [B], read
+        before x_i is drawn) stays at or above the threshold; position 0 is always drafted."""
+        if self.threshold is None or i == 0:
+            return drafting
+        return drafting & (survival * conf >= self.threshold)
+
+    def _chain(self, k: int, active, params, generators, step) -> Proposal:
+        """Draft up to k positions per active row. `step(i, tokens)` gives (draft-vocab logits [B, D], confidence
+        [B] in [0, 1]) of position i, given the tokens drawn at position i - 1 (None for i = 0)."""
+        B = len(active)
+        drafting = torch.tensor(list(active), dtype=torch.bool)
+        survival = torch.ones(B, dtype=torch.float64)
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        confs: list[list[float]] = [[] for _ in range(B)]
+        qs, x = [], None
+        for i in range(k):
+            logits, conf = step(i, x)
+            c = conf.double().cpu()
+            drafting = self._admit(i, c, survival, drafting)
+            if not drafting.any():
+                break
+            survival = torch.where(drafting, survival * c, survival)
+            x, q = self._draw(logits, params, generators, drafting)
+            if q is not None:
+                qs.append(q)
+            for b in drafting.nonzero().flatten().tolist():
+                drafts[b].append(int(x[b]))
+                confs[b].append(float(c[b]))
+        return Proposal(drafts, torch.stack(qs, 1) if qs else None, confs)
 
 
 class Eagle3Proposer(TrainedProposer):
     name = "eagle3"
 
-    def _extend(self, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
-        """Append step-0 entries (target features of verified positions + the tokens that follow them)."""
-        n = len(next_tokens)
-        pos = torch.arange(self.ctx, self.ctx + n, device=self.device).unsqueeze(0)
-        toks = torch.tensor([list(next_tokens)], device=self.device)
-        logits, conf, h = self.drafter.decode(
-            feats.unsqueeze(0).to(self.device), toks, pos, self.cache, from_target=True
+    def _extend(self, feats, tokens, valid, positions):
+        """Append step-0 entries: target features of verified positions and the tokens that follow them."""
+        self.key_mask = torch.cat([self.key_mask, valid.to(self.device)], dim=1)
+        return self.drafter.decode(
+            feats.to(self.device),
+            tokens.to(self.device),
+            positions.to(self.device),
+            self.cache,
+            from_target=True,
+            key_mask=self.key_mask,
         )
-        self.ctx += n
-        self.last = (logits[0, -1], conf[0, -1], h[:, -1:])
 
     @torch.no_grad()
-    def start(self, prompt, first, feats):
+    def start(self, prompts, firsts, feats, valid):
+        B, P = valid.shape
         self.cache = self.drafter.new_cache()
-        self.ctx = 0
-        self._extend(feats, list(prompt[1:]) + [first])
+        self.key_mask = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
+        nxt = torch.zeros(B, P, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            nxt[b, P - len(p) :] = torch.tensor(list(p[1:]) + [firsts[b]])
+        positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+        logits, conf, h = self._extend(feats, nxt, valid, positions)
+        self.pos = torch.tensor([len(p) for p in prompts])  # next step-0 position per row
+        self.last = (logits[:, -1], conf[:, -1], h[:, -1:])
 
     @torch.no_grad()
-    def propose(self, history, k, params, gen):
-        logits, conf, h = self.last
-        drafts, qs, confs = [], [], []
-        survival = 1.0
-        for i in range(k):
-            c = float(torch.sigmoid(conf))
-            # adaptive length: whether to draft position i uses only what precedes it (non-anticipating)
-            if self.threshold is not None and i > 0 and survival * c < self.threshold:
-                break
-            survival *= c
-            x, q = self._draw(logits, params, gen)
-            if q is not None:
-                qs.append(q)
-            drafts.append(x)
-            confs.append(c)
-            if i + 1 < k:
-                tok = torch.tensor([[x]], device=self.device)
-                pos = torch.tensor([[self.ctx + i]], device=self.device)
-                out, cf, h = self.drafter.decode(h, tok, pos, self.cache, from_target=False)
-                logits, conf = out[0, 0], cf[0, 0]
-        return drafts, (torch.stack(qs) if qs else None), confs
+    def propose(self, histories, active, k, params, generators):
+        self.round_start = self.key_mask.shape[1]
+        state = {"h": self.last[2]}
+
+        def step(i, x):
+            if i == 0:
+                logits, conf = self.last[0], self.last[1]
+            else:
+                B = x.shape[0]
+                self.key_mask = torch.cat([self.key_mask, torch.ones(B, 1, dtype=torch.bool, device=self.device)], 1)
+                out, cf, state["h"] = self.drafter.decode(
+                    state["h"],
+                    x[:, None].to(self.device),
+                    (self.pos + i - 1)[:, None].to(self.device),
+                    self.cache,
+                    from_target=False,
+                    key_mask=self.key_mask,
+                )
+                logits, conf = out[:, 0], cf[:, 0]
+            return logits, torch.sigmoid(conf)
+
+        return self._chain(k, active, params, generators, step)
 
     @torch.no_grad()
-    def commit(self, drafts, n, new, feats):
-        self.cache.crop(self.ctx)  # drop the entries of this round's drafting steps
-        self._extend(feats, list(drafts[:n]) + [new])
-
-    @torch.no_grad()
-    def propose_tree(self, depth: int, top_k: int, total: int):
-        """EAGLE-2-style dynamic tree: top-k children per expanded node, the top-k frontier nodes (by cumulative
-        draft log-probability) expanded at each depth, then the best `total` nodes kept."""
-        from draftsmith.eval.tree import Tree, prune
-
+    def propose_tree(self, depth: int, top_k: int, total: int) -> Proposal:
+        """EAGLE-2-style dynamic tree (one row): top-k children per expanded node, the top-k frontier nodes (by
+        cumulative draft log-probability) expanded at each depth, then the best `total` nodes kept."""
+        if self.key_mask.shape[0] != 1:
+            raise ValueError("tree drafting decodes one prompt at a time")
+        self.round_start = self.key_mask.shape[1]
         tree = Tree()
         logits, _, h_root = self.last
-        logp = torch.log_softmax(logits.float(), -1)
+        logp = torch.log_softmax(logits[0].float(), -1)
         top = torch.topk(logp, min(top_k, logp.numel()))
         for lp, d in zip(top.values.tolist(), top.indices.tolist()):
             tree.tokens.append(int(self.ids[d]))
@@ -145,19 +219,21 @@ class Eagle3Proposer(TrainedProposer):
         for d in range(1, depth):
             frontier = [i for i in range(len(tree)) if tree.depths[i] == d]
             expand = sorted(frontier, key=lambda i: -tree.scores[i])[:top_k]
-            past = self.cache.length()
-            n = len(expand)
+            past, n = self.key_mask.shape[1], len(expand)
             mask = torch.zeros(n, past + n, dtype=torch.bool)
-            mask[:, : self.ctx] = True  # the context (step-0 entries)
+            mask[:, : self.round_start] = True  # the context (its holes are hidden by the key mask)
             for row, i in enumerate(expand):
                 entry[i] = past + row
                 for a in tree.ancestors(i):
                     if a in entry:
                         mask[row, entry[a]] = True
+            self.key_mask = torch.cat([self.key_mask, torch.ones(1, n, dtype=torch.bool, device=self.device)], 1)
             hidden = torch.cat([outputs[tree.parents[i]] for i in expand], dim=1)
             toks = torch.tensor([[tree.tokens[i] for i in expand]], device=self.device)
-            pos = torch.tensor([[self.ctx + d - 1] * n], device=self.device)
-            out, _, h = self.drafter.decode(hidden, toks, pos, self.cache, from_target=False, attn_mask=mask)
+            pos = (self.pos[0] + d - 1).repeat(1, n).to(self.device)
+            out, _, h = self.drafter.decode(
+                hidden, toks, pos, self.cache, from_target=False, key_mask=self.key_mask, attn_mask=mask
+            )
             for row, i in enumerate(expand):
                 outputs[i] = h[:, row : row + 1]
                 lp_row = torch.log_softmax(out[0, row].float(), -1)
@@ -167,24 +243,37 @@ class Eagle3Proposer(TrainedProposer):
                     tree.parents.append(i)
                     tree.depths.append(d + 1)
                     tree.scores.append(tree.scores[i] + lp)
-        return prune(tree, total)
+        return Proposal([[]], tree=prune(tree, total))
 
     @torch.no_grad()
-    def commit_path(self, tokens: list[int], new: int, feats):
-        """After tree verification: the accepted path's tokens and the target's features of root + path."""
-        self.cache.crop(self.ctx)
-        self._extend(feats, list(tokens) + [new])
+    def commit(self, drafts, accepted, news, feats):
+        """feats [B, n, F]: target features of this round's verified slots; row b's first 1 + accepted[b] are its
+        verified ones (the last committed token, then its accepted drafts), after which row b drafts from `news`."""
+        self.cache.crop(self.round_start)  # drop the entries of this round's drafting steps
+        self.key_mask = self.key_mask[:, : self.round_start]
+        k1 = max(accepted) + 1  # slots past every row's accepted ones would be holes everywhere
+        B = feats.shape[0]
+        toks = torch.zeros(B, k1, dtype=torch.long)
+        valid = torch.zeros(B, k1, dtype=torch.bool)
+        for b in range(B):
+            n = accepted[b]
+            toks[b, : n + 1] = torch.tensor(list(drafts[b][:n]) + [news[b]])
+            valid[b, : n + 1] = True
+        positions = self.pos[:, None] + torch.arange(k1)[None, :]
+        logits, conf, h = self._extend(feats[:, :k1], toks, valid, positions)
+        idx = torch.tensor(list(accepted), device=self.device)
+        rows = torch.arange(B, device=self.device)
+        self.last = (logits[rows, idx], conf[rows, idx], h[rows, idx].unsqueeze(1))
+        self.pos += torch.tensor(list(accepted)) + 1
 
 
 class DSparkProposer(TrainedProposer):
-    """A DSpark-style block drafter: one backbone pass per round drafts the block, then tokens are sampled left
-    to right from the logits plus the sequential bias of the token just sampled. The context keys/values come
-    from the target's features of verified positions and are appended after each round (never rolled back:
-    only verified positions enter them). q is the biased distribution each token was actually sampled from.
+    """A DSpark-style block drafter: one backbone pass per round drafts the block, then tokens are sampled left to
+    right from the logits plus the sequential bias of the token just sampled. The context keys/values come from the
+    target's features of every slot of a round, the slots a row did not keep masked as holes. q is the biased
+    distribution each token was actually sampled from; a round drafts min(k, draft_length) tokens per row.
 
-    Adaptive length: the calibrated confidence of position i reads the block state and the token at position
-    i-1, never x_i; drafting stops before position i when the running survival would fall below the threshold,
-    so whether x_i is verified does not depend on x_i (non-anticipating)."""
+    The calibrated confidence of position i reads the block state and the token at position i-1, never x_i."""
 
     name = "dspark"
 
@@ -193,46 +282,42 @@ class DSparkProposer(TrainedProposer):
         self.block = drafter.config.block_size
         self.length = min(draft_length or self.block, self.block)
 
-    def _extend(self, feats: torch.Tensor) -> None:
-        n = feats.shape[0]
-        pos = torch.arange(self.ctx, self.ctx + n, device=self.device).unsqueeze(0)
-        self.drafter.extend_context(self.cache, feats.unsqueeze(0).to(self.device), pos)
-        self.ctx += n
+    def _extend(self, feats, valid, positions):
+        self.drafter.extend_context(self.cache, feats.to(self.device), positions.to(self.device))
+        self.key_mask = torch.cat([self.key_mask, valid.to(self.device)], dim=1)
 
     @torch.no_grad()
-    def start(self, prompt, first, feats):
+    def start(self, prompts, firsts, feats, valid):
+        """The prompts' (left-padded) positions become context; each row's anchor is its first token."""
         self.cache = self.drafter.new_cache()
-        self.ctx = 0
-        self._extend(feats)  # the prompt's positions; the anchor is `first`, at position len(prompt)
-        self.anchor = first
+        self.key_mask = torch.zeros(valid.shape[0], 0, dtype=torch.bool, device=self.device)
+        self._extend(feats, valid, (valid.long().cumsum(1) - 1).clamp_min(0))
+        self.pos = torch.tensor([len(p) for p in prompts])  # anchor position per row
+        self.anchor = torch.tensor(list(firsts))
 
     @torch.no_grad()
-    def propose(self, history, k, params, gen):
+    def propose(self, histories, active, k, params, generators):
         k = min(k, self.length)
         h, base = self.drafter.draft_block(
-            self.cache, torch.tensor([self.anchor], device=self.device), torch.tensor([self.ctx], device=self.device)
+            self.cache, self.anchor.to(self.device), self.pos.to(self.device), context_mask=self.key_mask
         )
-        drafts, qs, confs = [], [], []
-        survival = 1.0
-        prev = self.anchor
-        for i in range(k):
-            logits, conf = self.drafter.heads(h[:, i], torch.tensor([prev], device=self.device), base[:, i])
-            c = float(self.drafter.calibrated(conf[0], i))
-            if self.threshold is not None and i > 0 and survival * c < self.threshold:
-                break
-            survival *= c
-            x, q = self._draw(logits[0], params, gen)
-            if q is not None:
-                qs.append(q)
-            drafts.append(x)
-            confs.append(c)
-            prev = x
-        return drafts, (torch.stack(qs) if qs else None), confs
+
+        def step(i, x):
+            prev = self.anchor if i == 0 else x
+            logits, conf = self.drafter.heads(h[:, i], prev.to(self.device), base[:, i])
+            return logits, self.drafter.calibrated(conf, i)
+
+        return self._chain(k, active, params, generators, step)
 
     @torch.no_grad()
-    def commit(self, drafts, n, new, feats):
-        self._extend(feats)  # the old anchor and the n accepted drafts are now verified positions
-        self.anchor = new
+    def commit(self, drafts, accepted, news, feats):
+        """Row b's first 1 + accepted[b] slots (the old anchor and its accepted drafts) become verified context, the
+        rest holes; the new anchors are `news`."""
+        k1 = max(accepted) + 1
+        valid = torch.arange(k1)[None, :] < (torch.tensor(list(accepted)) + 1)[:, None]
+        self._extend(feats[:, :k1], valid, self.pos[:, None] + torch.arange(k1)[None, :])
+        self.pos += torch.tensor(list(accepted)) + 1
+        self.anchor = torch.tensor(list(news))
 
 
 PROPOSERS = {"eagle3": Eagle3Proposer, "dspark": DSparkProposer}

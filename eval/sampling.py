@@ -3,6 +3,7 @@ way to the target and the drafter (the verifier's exactness is about these proce
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,3 +62,10 @@ def uniform(generator: torch.Generator | None) -> float:
 def make_generator(device: torch.device | str, seed: int) -> torch.Generator:
     """A seeded generator on `device`: torch.multinomial and torch.rand on CUDA tensors refuse a CPU generator."""
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def derive_seed(base: int, *tags) -> int:
+    """A seed derived from `base` and tags (a chunk index, a prompt id and temperature, ...): stable across runs,
+    processes and machines (unlike hash()), and different for different tags."""
+    text = ":".join(str(t) for t in (base, *tags))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") & 0x7FFFFFFF

@@ -68,7 +68,7 @@ def main() -> None:
     def engine(proposer, runner):
         outs, rounds, t0 = [], [], time.perf_counter()
         for p in prompts:
-            r = decode(runner, proposer, p, greedy, args.gamma, args.max_new_tokens, stops)
+            (r,) = decode(runner, proposer, [p], greedy, args.gamma, args.max_new_tokens, stops)
             outs.append(r.tokens)
             rounds += r.rounds
         return outs, time.perf_counter() - t0, sum(a + 1 for _, a in rounds) / len(rounds)

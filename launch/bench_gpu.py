@@ -317,12 +317,12 @@ def bench_verify(s: Sizes, model, device, dtype) -> dict[str, Any]:
         ("plain", NoDraft(), HFTarget(model)),
         ("eagle3", Eagle3Proposer(drafter), HFTarget(model, aux)),
     ]:
-        decode(runner, proposer, prompts[0], greedy, s.gamma, 4)  # warm-up
+        decode(runner, proposer, prompts[:1], greedy, s.gamma, 4)  # warm-up
         _sync(device)
         rounds = tokens = 0
         t0 = time.perf_counter()
         for p in prompts:
-            r = decode(runner, proposer, p, greedy, s.gamma, s.max_new_tokens)
+            (r,) = decode(runner, proposer, [p], greedy, s.gamma, s.max_new_tokens)
             rounds += len(r.rounds)
             tokens += len(r.tokens)
         _sync(device)

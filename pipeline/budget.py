@@ -108,17 +108,16 @@ def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repea
         prefill = _timed(lambda: model(input_ids=prompt, use_cache=False), device, repeats)
         # eval's passes: one token (plain decoding, and the drafters' prefill of verified tokens) and 1+5 tokens (a
         # γ = 5 verification), through eval's own runner (cache, aux hooks)
-        context = tokens(1, 64)[0].tolist()
-        one, six = context[-1:], context[-6:]
-        runner.reset()
-        runner.step(context)
-        base = runner.length
+        context = tokens(1, 64)
+        one, six = context[:, -1:], context[:, -6:]
+        runner.prefill([context[0].tolist()])
 
         def eval_passes() -> None:
             for _ in range(steps // 2):
-                runner.step(one)
-                runner.step(six)
-                runner.rollback(base)  # the cache keeps the same length for every repetition
+                for chunk in (one, six):
+                    runner.step(chunk, torch.ones_like(chunk, dtype=torch.bool))
+                    runner.keep(0, chunk.shape[1], [])  # nothing kept: the cache keeps the same length
+                    runner.compact()
 
         decode = _timed(eval_passes, device, repeats) / (steps // 2)
     return Probes(

@@ -20,13 +20,12 @@ from draftsmith.data.artifacts import atomic_write_text, write_manifest
 from draftsmith.data.chat import prompt_ids, stop_token_ids
 from draftsmith.data.sources import iter_conversations
 from draftsmith.drafters.registry import load_drafter
-from draftsmith.eval.batch import decode_batch
 from draftsmith.eval.engine import TreeSpec, decode
 from draftsmith.eval.metrics import acceptance_stats, calibration
 from draftsmith.eval.proposers import PROPOSERS, NoDraft, PromptLookup
 from draftsmith.eval.report import markdown_table, plots
 from draftsmith.eval.runner import HFTarget
-from draftsmith.eval.sampling import SamplingParams, make_generator
+from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.dist import dist_state
@@ -60,80 +59,69 @@ def eval_prompts(cfg: RunConfig, tok) -> list[dict[str, Any]]:
     return prompts
 
 
+def _proposers(cfg: RunConfig, target, drafter: str | None, tree: TreeSpec | None):
+    """The proposers eval compares (plain decoding first), and what is recorded about each trained drafter."""
+    e = cfg.eval
+    proposers: dict[str, Any] = {"none": NoDraft()}
+    if "prompt_lookup" in e.drafters:
+        proposers["prompt_lookup"] = PromptLookup(e.prompt_lookup_max_ngram)
+    info: dict[str, dict[str, Any]] = {}
+    if "trained" not in e.drafters:
+        return proposers, info
+    explicit = drafter or e.drafter_path
+    paths = (
+        [trained_drafter(cfg, target.identity, explicit)]
+        if explicit
+        else [trained_drafter(cfg, target.identity, None, family) for family in cfg.train.drafters]
+    )
+    for path in paths:
+        try:
+            d = load_drafter(path).to(target.device, target.model.dtype)
+        except (ValueError, KeyError, OSError) as exc:
+            raise StageError(f"cannot load the drafter in {path}: {exc}") from None
+        if d.name != "eagle3" and tree is not None:
+            raise StageError(f"the {d.name} drafter drafts chains (one block per round): leave eval.tree_depth unset")
+        kwargs = {"draft_length": e.block_draft_length} if d.name == "dspark" else {}
+        proposers[d.name] = PROPOSERS[d.name](d, e.confidence_threshold, **kwargs)
+        info[d.name] = {"path": str(path), "family": d.name, "aux_layer_ids": d.config.aux_layer_ids}
+        calib = path / "calibration.json"
+        if calib.is_file():
+            info[d.name]["calibration"] = json.loads(calib.read_text())
+    return proposers, info
+
+
 def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     e = cfg.eval
     target = load_target(cfg.model)
     model, tok = target.model, target.tokenizer
     stops = stop_token_ids(tok, model)
-    proposers: dict[str, Any] = {"none": NoDraft()}
-    if "prompt_lookup" in e.drafters:
-        proposers["prompt_lookup"] = PromptLookup(e.prompt_lookup_max_ngram)
-    drafter_info: dict[str, dict[str, Any]] = {}
     if e.tree_depth is not None and e.batch_size > 1:
         raise StageError("eval.tree_depth (tree drafting) runs one prompt at a time: set eval.batch_size=1")
     tree = TreeSpec(e.tree_depth, e.tree_top_k, e.tree_nodes) if e.tree_depth else None
-    if "trained" in e.drafters:
-        explicit = drafter or e.drafter_path
-        paths = (
-            [trained_drafter(cfg, target.identity, explicit)]
-            if explicit
-            else [trained_drafter(cfg, target.identity, None, family) for family in cfg.train.drafters]
-        )
-        for path in paths:
-            try:
-                d = load_drafter(path).to(target.device, model.dtype)
-            except (ValueError, KeyError, OSError) as exc:
-                raise StageError(f"cannot load the drafter in {path}: {exc}") from None
-            if d.name != "eagle3" and tree is not None:
-                raise StageError(
-                    f"the {d.name} drafter drafts chains (one block per round): leave eval.tree_depth unset"
-                )
-            kwargs = {"draft_length": e.block_draft_length} if d.name == "dspark" else {}
-            proposers[d.name] = PROPOSERS[d.name](d, e.confidence_threshold, **kwargs)
-            drafter_info[d.name] = {"path": str(path), "family": d.name, "aux_layer_ids": d.config.aux_layer_ids}
-            calib = path / "calibration.json"
-            if calib.is_file():
-                drafter_info[d.name]["calibration"] = json.loads(calib.read_text())
-    plain = HFTarget(model)
-    feature_targets = {name: HFTarget(model, aux_ids=info["aux_layer_ids"]) for name, info in drafter_info.items()}
+    proposers, drafter_info = _proposers(cfg, target, drafter, tree)
+    runners = {name: HFTarget(model, p.aux_ids, tok.pad_token_id) for name, p in proposers.items()}
     gammas = {name: getattr(p, "length", None) or e.draft_length for name, p in proposers.items()}
     prompts = eval_prompts(cfg, tok)
     log.info("eval: %d prompts, drafters %s, temperatures %s", len(prompts), list(proposers), e.temperatures)
-
     state = dist_state()
     if state.num_processes > 1:
         log.info("eval: %d ranks, each decoding every %d-th batch of prompts", state.num_processes, state.num_processes)
 
-    def run_batch(batch, name, proposer, params, gen, max_new_tokens):
-        ids = [p["ids"] for p in batch]
-        if e.batch_size == 1:
-            runner = feature_targets.get(name, plain)
-            return [
-                decode(
-                    runner,
-                    proposer,
-                    ids[0],
-                    params,
-                    gammas[name],
-                    max_new_tokens,
-                    stops,
-                    gen,
-                    tree=tree if hasattr(proposer, "propose_tree") else None,
-                )
-            ]
-        return decode_batch(
-            model,
-            ids,
-            name,
+    def run_batch(batch, name, params, max_new_tokens):
+        # one generator per prompt, seeded by the prompt and the temperature: a prompt's sampled output does not
+        # depend on its batch, its rank or the rank count. On the target's device (CUDA refuses a CPU generator).
+        gens = [make_generator(target.device, derive_seed(e.seed, p["id"], params.temperature)) for p in batch]
+        proposer = proposers[name]
+        return decode(
+            runners[name],
+            proposer,
+            [p["ids"] for p in batch],
             params,
             gammas[name],
             max_new_tokens,
             stops,
-            gen,
-            drafter=getattr(proposer, "drafter", None),
-            pad_id=tok.pad_token_id,
-            max_ngram=e.prompt_lookup_max_ngram,
-            confidence_threshold=e.confidence_threshold,
+            gens,
+            tree=tree if hasattr(proposer, "propose_tree") else None,
         )
 
     by_domain: dict[str, list] = defaultdict(list)
@@ -143,79 +131,46 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     mine = batches[state.process_index :: state.num_processes]
     # Warm-up, untimed: the first calls of a process pay for allocations and kernel selection; without this,
     # whichever drafter runs first (plain decoding) absorbs them and every speedup is biased upward.
-    for name, proposer in proposers.items():
+    for name in proposers:
         for temperature in sorted({0.0, *e.temperatures}):
-            run_batch(
-                batches[0],
-                name,
-                proposer,
-                SamplingParams(temperature, e.top_p, e.top_k),
-                make_generator(target.device, e.seed),
-                min(8, e.max_new_tokens),
-            )
+            run_batch(batches[0], name, SamplingParams(temperature, e.top_p, e.top_k), min(8, e.max_new_tokens))
 
     out = cfg.run_path / e.output
+    settings = {
+        **e.model_dump(mode="json"),
+        "device": str(target.device),
+        "dtype": str(model.dtype),
+        "draft_lengths": gammas,
+        "prompts": len(prompts),
+        "processes": state.num_processes,
+    }
     ev: dict[str, Any] = {
         "target": target.identity,
         "drafters": drafter_info,
-        "settings": {
-            **e.model_dump(mode="json"),
-            "device": str(target.device),
-            "dtype": str(model.dtype),
-            "draft_lengths": gammas,
-            "prompts": len(prompts),
-            "processes": state.num_processes,
-        },
+        "settings": settings,
         "complete": False,
         "runs": [],
     }
     for temperature in e.temperatures:
         params = SamplingParams(temperature, e.top_p, e.top_k)
-        # one stream per rank (rank 0 alone is the single-process run): sampled outputs depend on the rank count.
-        # It lives on the target's device: torch.multinomial / torch.rand on CUDA tensors refuse a CPU generator.
-        gen = make_generator(target.device, e.seed + state.process_index)
         by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         diverged: Counter = Counter()
-        bar = tqdm(
-            total=sum(len(b) for b in mine),
-            desc=f"eval T={temperature}" + (f" (rank {state.process_index})" if state.num_processes > 1 else ""),
-            unit="prompt",
-        )
+        rank = f" (rank {state.process_index})" if state.num_processes > 1 else ""
+        bar = tqdm(total=sum(len(b) for b in mine), desc=f"eval T={temperature}{rank}", unit="prompt")
         for batch in mine:
-            outputs = {}
-            for name, proposer in proposers.items():
-                res = run_batch(batch, name, proposer, params, gen, e.max_new_tokens)
-                by[batch[0]["domain"]][name].extend(res)
-                outputs[name] = [r.tokens for r in res]
-            if params.greedy:
-                for name, toks in outputs.items():
-                    diverged[name] += sum(a != b for a, b in zip(toks, outputs["none"]))
+            plain = None
+            for name in proposers:
+                results = run_batch(batch, name, params, e.max_new_tokens)
+                by[batch[0]["domain"]][name].extend(results)
+                plain = plain or [r.tokens for r in results]  # "none" runs first
+                diverged[name] += sum(r.tokens != t for r, t in zip(results, plain)) if params.greedy else 0
             bar.update(len(batch))
         bar.close()
         if state.num_processes > 1:
             by, diverged = _gather_results(by, diverged)
             if not state.is_main_process:
                 continue
-        domains = {}
-        for domain, per in by.items():
-            row = {name: acceptance_stats(results, gammas[name]) for name, results in per.items()}
-            for name in row:
-                if name != "none" and row["none"]["tokens_per_s"]:
-                    row[name]["speedup"] = row[name]["tokens_per_s"] / row["none"]["tokens_per_s"]
-            domains[domain] = row
-        overall = {}
-        for name in proposers:
-            results = [r for per in by.values() for r in per[name]]
-            overall[name] = acceptance_stats(results, gammas[name])
-            overall[name]["calibration"] = calibration(results)
-            if name != "none":
-                overall[name]["speedup"] = overall[name]["tokens_per_s"] / overall["none"]["tokens_per_s"]
-        run = {"temperature": temperature, "drafters": list(proposers), "domains": domains, "overall": overall}
-        if params.greedy:
-            run["greedy_divergence"] = {
-                n: {"prompts": diverged[n], "of": len(prompts)} for n in proposers if n != "none"
-            }
-        ev["runs"].append(run)
+        ev["runs"].append(_summary(temperature, by, diverged, gammas, list(proposers), len(prompts), params.greedy))
         # each temperature's results are on disk as soon as they exist (marked incomplete until the last one):
         # a failure at a later temperature loses nothing already measured
         out.mkdir(parents=True, exist_ok=True)
@@ -225,19 +180,46 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         return out  # the main process writes the merged results
     ev["complete"] = True
     atomic_write_text(out / "eval.json", json.dumps(ev, indent=2))
+    _report(out, ev, target, model, drafter_info, len(prompts))
+    return out
+
+
+def _summary(temperature, by, diverged, gammas, names, n_prompts, greedy) -> dict[str, Any]:
+    """One temperature's statistics: per domain and overall, speedups against plain decoding."""
+    domains = {}
+    for domain, per in by.items():
+        row = {name: acceptance_stats(results, gammas[name]) for name, results in per.items()}
+        for name in row:
+            if name != "none" and row["none"]["tokens_per_s"]:
+                row[name]["speedup"] = row[name]["tokens_per_s"] / row["none"]["tokens_per_s"]
+        domains[domain] = row
+    overall = {}
+    for name in names:
+        results = [r for per in by.values() for r in per[name]]
+        overall[name] = acceptance_stats(results, gammas[name])
+        overall[name]["calibration"] = calibration(results)
+        if name != "none":
+            overall[name]["speedup"] = overall[name]["tokens_per_s"] / overall["none"]["tokens_per_s"]
+    run = {"temperature": temperature, "drafters": names, "domains": domains, "overall": overall}
+    if greedy:
+        run["greedy_divergence"] = {n: {"prompts": diverged[n], "of": n_prompts} for n in names if n != "none"}
+    return run
+
+
+def _report(out: Path, ev: dict[str, Any], target, model, drafter_info, n_prompts: int) -> None:
+    """report.md (also printed), the plots and the manifest that marks the evaluation complete."""
     table = markdown_table(ev)
     written = plots(ev, out)
     trained_list = ", ".join(f"{n} `{i['path']}`" for n, i in drafter_info.items()) or "none"
     (out / "report.md").write_text(
         f"# draftsmith eval\n\nTarget: `{target.identity['name']}`; trained drafters: "
         f"{trained_list}; device {target.device}, "
-        f"{model.dtype}; {len(prompts)} prompts.\n\n{table}\n" + "".join(f"\n![{w}]({w})\n" for w in written)
+        f"{model.dtype}; {n_prompts} prompts.\n\n{table}\n" + "".join(f"\n![{w}]({w})\n" for w in written)
     )
     write_manifest(
         out, "eval", target=target.identity, drafters=drafter_info, files=["eval.json", "report.md", *written]
     )
     console.print(table, highlight=False)
-    return out
 
 
 def _gather_results(by: dict[str, dict[str, list]], diverged: Counter) -> tuple[dict[str, dict[str, list]], Counter]:

@@ -12,7 +12,6 @@ chat template's user header (Magpie-style), filtered, before they are answered t
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import time
@@ -35,6 +34,7 @@ from draftsmith.data.chat import encode_text, prompt_ids, stop_token_ids, user_h
 from draftsmith.data.generation import Generator, HFGenerator, Sampling
 from draftsmith.data.records import build_record, holdout_split
 from draftsmith.data.synthesis import PromptFilter
+from draftsmith.eval.sampling import derive_seed
 from draftsmith.pipeline.completion import stage_inputs, start
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console, counts_table
@@ -44,11 +44,6 @@ from draftsmith.pipeline.layout import RunLayout
 from draftsmith.pipeline.target import load_model, load_tokenizer, pick_device, resolve_target
 
 log = logging.getLogger(__name__)
-
-
-def derive_seed(base: int, *tags: Any) -> int:
-    text = ":".join(str(t) for t in (base, *tags))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") & 0x7FFFFFFF
 
 
 def _assistant_indices(messages: list[dict[str, Any]]) -> list[int]:

@@ -11,10 +11,10 @@ import torch
 from draftsmith.drafters.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.drafters.vocab import select_draft_vocab
 from draftsmith.eval.engine import decode
-from draftsmith.eval.proposers import DSparkProposer
+from draftsmith.eval.proposers import DSparkProposer, Proposal
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, make_generator
-from tests.eval.test_exactness import BigramTarget, P, chi_square_pvalue, plain_greedy, tiny64  # noqa: F401
+from tests.eval.test_exactness import BigramTarget, P, chi_square_pvalue, plain_greedy
 
 
 class FeatureBigramTarget(BigramTarget):
@@ -27,9 +27,15 @@ class FeatureBigramTarget(BigramTarget):
             table.shape[0], width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
         ).to(table.device)
 
-    def step(self, tokens):
-        logp, _ = super().step(tokens)
-        return logp, self.feats[list(tokens)]
+    def prefill(self, prompts):
+        logp, _, valid = super().prefill(prompts)
+        width = valid.shape[1]
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        return logp, self.feats[ids], valid
+
+    def step(self, tokens, valid, depths=None, visible=None):
+        logp, _ = super().step(tokens, valid)
+        return logp, self.feats[tokens.to(self.device)]
 
 
 def _tiny_dspark(vocab=3, draft_vocab=3, hidden=16, aux=(1, 2, 3), target_hidden=8, block=3, seed=0, device="cpu"):
@@ -65,7 +71,7 @@ def _emitted_dspark(proposer, n=4000, seed=0, tokens=4):
     target = FeatureBigramTarget(P.to(proposer.device), 3 * 8)
     counts, accepted, drafted = Counter(), 0, 0
     for _ in range(n):
-        r = decode(target, proposer, [0], SamplingParams(temperature=1.0), 3, tokens, generator=gen)
+        (r,) = decode(target, proposer, [[0]], SamplingParams(temperature=1.0), 3, tokens, generators=[gen])
         counts[tuple(r.tokens[:tokens])] += 1
         drafted += sum(d for d, _ in r.rounds)
         accepted += sum(a for _, a in r.rounds)
@@ -97,18 +103,19 @@ class AnticipatingStop(DSparkProposer):
     """Mutant: an adaptive stop that reads the drafted token itself (the chain stops before any later draft that
     came out as token 1)."""
 
-    def propose(self, history, k, params, gen):
-        drafts, q, confs = super().propose(history, k, params, gen)
+    def propose(self, histories, active, k, params, generators):
+        prop = super().propose(histories, active, k, params, generators)
+        (drafts,), (confs,) = prop.drafts, prop.confidences
         cut = next((i for i in range(1, len(drafts)) if drafts[i] == 1), len(drafts))
-        return drafts[:cut], q[:cut], confs[:cut]
+        return Proposal([drafts[:cut]], prop.q[:, :cut], [confs[:cut]])
 
 
 class LaterSlotsFromSlotZero(DSparkProposer):
     """Mutant: reports slot 0's q for every slot (p and q of different positions from slot 1 on)."""
 
-    def propose(self, history, k, params, gen):
-        drafts, q, confs = super().propose(history, k, params, gen)
-        return drafts, q[:1].expand_as(q).clone(), confs
+    def propose(self, histories, active, k, params, generators):
+        prop = super().propose(histories, active, k, params, generators)
+        return Proposal(prop.drafts, prop.q[:, :1].expand_as(prop.q).clone(), prop.confidences)
 
 
 @pytest.mark.parametrize("mutant", [AnticipatingStop, LaterSlotsFromSlotZero])
@@ -122,15 +129,15 @@ def test_adaptive_length_uses_only_earlier_positions(test_device):
     drafter = _tiny_dspark(device=test_device)
     target = FeatureBigramTarget(P.to(test_device), 3 * 8)
     gen = make_generator(test_device, 1)
-    full = decode(target, DSparkProposer(drafter), [0], SamplingParams(temperature=1.0), 3, 40, generator=gen)
-    short = decode(
+    (full,) = decode(target, DSparkProposer(drafter), [[0]], SamplingParams(temperature=1.0), 3, 40, generators=[gen])
+    (short,) = decode(
         target,
         DSparkProposer(drafter, confidence_threshold=0.6),
-        [0],
+        [[0]],
         SamplingParams(temperature=1.0),
         3,
         40,
-        generator=gen,
+        generators=[gen],
     )
     assert all(d == 3 for d, _ in full.rounds[:-1])
     assert all(d >= 1 for d, _ in short.rounds) and sum(d for d, _ in short.rounds) / len(short.rounds) < 3
@@ -165,7 +172,7 @@ def _dspark_for(model, calibrated=False):
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dspark_adaptive"])
-def test_greedy_with_dspark_commits_exactly_the_targets_greedy_tokens(tiny64, kind):  # noqa: F811
+def test_greedy_with_dspark_commits_exactly_the_targets_greedy_tokens(tiny64, kind):
     g = torch.Generator().manual_seed(3)
     drafter = _dspark_for(tiny64, calibrated=kind.endswith("adaptive"))
     for trial in range(6):
@@ -173,7 +180,7 @@ def test_greedy_with_dspark_commits_exactly_the_targets_greedy_tokens(tiny64, ki
         n_new, gamma = [5, 17, 40][trial % 3], [1, 3, 4][trial % 3]
         proposer = DSparkProposer(drafter, confidence_threshold=0.3 if kind.endswith("adaptive") else None)
         target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids)
-        r = decode(target, proposer, prompt, SamplingParams(), gamma, n_new)
+        (r,) = decode(target, proposer, [prompt], SamplingParams(), gamma, n_new)
         assert r.tokens == plain_greedy(tiny64, prompt, n_new), (kind, trial)
         assert r.target_passes == len(r.rounds) + 1
         assert all(len(c) == d for c, (d, _) in zip(r.confidences, r.rounds))

@@ -1,4 +1,4 @@
-"""What the engines count: rounds end at the first stop token however it was committed (drafted and accepted,
+"""What the engine counts: rounds end at the first stop token however it was committed (drafted and accepted,
 or the target's own), τ counts exactly the tokens each pass produced, drafting time includes updating the
 drafter after verification, and tree verification masks correctly under every attention kernel."""
 
@@ -8,30 +8,12 @@ import time
 import pytest
 import torch
 
-import draftsmith.eval.batch as batch_mod
-from draftsmith.eval.batch import decode_batch
 from draftsmith.eval.engine import TreeSpec, decode
-from draftsmith.eval.proposers import Eagle3Proposer, NoDraft
+from draftsmith.eval.proposers import Eagle3Proposer, NoDraft, Proposal
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams
-from draftsmith.eval.tree import Tree
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny_tok, test_device):
-    from tests.tiny import tiny_llama
-
-    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
-
-
-def plain_greedy(model, prompt, n, stops=()):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
-            if ids[-1] in stops:
-                break
-    return ids[len(prompt) :]
+from draftsmith.eval.tree import Tree, tree_mask
+from tests.eval.test_batch import plain_greedy
 
 
 class GreedyOracle(NoDraft):
@@ -40,8 +22,8 @@ class GreedyOracle(NoDraft):
     def __init__(self, model):
         self.model = model
 
-    def propose(self, history, k, params, gen):
-        return plain_greedy(self.model, history, k), None, []
+    def propose(self, histories, active, k, params, generators):
+        return Proposal([plain_greedy(self.model, h, k) if a else [] for h, a in zip(histories, active)])
 
 
 def _prompts_and_stops(model, n=4):
@@ -71,30 +53,28 @@ def _check_accounting(model, prompt, r, stops, gamma, max_new):
 def test_one_prompt_engine_stops_at_an_accepted_stop_token(tiny64):
     prompts, stops = _prompts_and_stops(tiny64)
     for prompt in prompts:
-        r = decode(HFTarget(tiny64), GreedyOracle(tiny64), prompt, SamplingParams(), 4, 40, stops)
+        (r,) = decode(HFTarget(tiny64), GreedyOracle(tiny64), [prompt], SamplingParams(), 4, 40, stops)
         _check_accounting(tiny64, prompt, r, stops, 4, 40)
 
 
-def test_batched_engine_counts_a_stop_round_the_same_way(tiny64, monkeypatch):
+def test_batched_engine_counts_a_stop_round_the_same_way(tiny64):
     prompts, stops = _prompts_and_stops(tiny64)
-    # prompt lookup's drafting replaced by the oracle: every row drafts its target's greedy continuation
-    monkeypatch.setattr(batch_mod, "_prompt_lookup", lambda history, k, max_ngram: plain_greedy(tiny64, history, k))
-    results = decode_batch(tiny64, prompts, "prompt_lookup", SamplingParams(), 4, 40, stops)
+    results = decode(HFTarget(tiny64), GreedyOracle(tiny64), prompts, SamplingParams(), 4, 40, stops)
     for prompt, r in zip(prompts, results):
         _check_accounting(tiny64, prompt, r, stops, 4, 40)
-    alone = [decode(HFTarget(tiny64), GreedyOracle(tiny64), p, SamplingParams(), 4, 40, stops) for p in prompts]
+    alone = [decode(HFTarget(tiny64), GreedyOracle(tiny64), [p], SamplingParams(), 4, 40, stops)[0] for p in prompts]
     assert [r.rounds for r in results] == [r.rounds for r in alone]
 
 
 class SlowCommit(GreedyOracle):
     """An oracle whose post-verification update takes 20 ms (EAGLE-3 runs its drafter there)."""
 
-    def commit(self, drafts, n, new, feats):
+    def commit(self, drafts, accepted, news, feats):
         time.sleep(0.02)
 
 
 def test_drafting_time_includes_the_drafter_update_after_verification(tiny64):
-    r = decode(HFTarget(tiny64), SlowCommit(tiny64), [5, 6, 7], SamplingParams(), 2, 12)
+    (r,) = decode(HFTarget(tiny64), SlowCommit(tiny64), [[5, 6, 7]], SamplingParams(), 2, 12)
     assert r.draft_seconds >= 0.02 * len(r.rounds) and r.verify_seconds > 0
 
 
@@ -102,24 +82,25 @@ def test_trees_and_batches_record_draft_and_verify_time(tiny64, monkeypatch):
     from tests.eval.test_exactness import _eagle3
 
     drafter = _eagle3(tiny64).to(tiny64.device)
-    r = decode(
+    (r,) = decode(
         HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids),
         Eagle3Proposer(drafter),
-        [5, 6, 7],
+        [[5, 6, 7]],
         SamplingParams(),
         0,
         10,
         tree=TreeSpec(depth=3, top_k=2, total=6),
     )
     assert r.draft_seconds > 0 and r.verify_seconds > 0
-    real_commit = batch_mod.BatchedEagle3.commit
+    real_commit = Eagle3Proposer.commit
 
     def slow_commit(self, *args):
         time.sleep(0.02)
         return real_commit(self, *args)
 
-    monkeypatch.setattr(batch_mod.BatchedEagle3, "commit", slow_commit)
-    results = decode_batch(tiny64, [[5, 6, 7], [8, 9]], "eagle3", SamplingParams(), 3, 10, drafter=drafter)
+    monkeypatch.setattr(Eagle3Proposer, "commit", slow_commit)
+    target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids)
+    results = decode(target, Eagle3Proposer(drafter), [[5, 6, 7], [8, 9]], SamplingParams(), 3, 10)
     rounds = max(len(r.rounds) for r in results)
     # each row is charged its share of the batch's drafting, the drafter's update included
     assert sum(r.draft_seconds for r in results) >= 0.02 * rounds and all(r.verify_seconds > 0 for r in results)
@@ -134,9 +115,15 @@ def test_tree_logits_equal_each_paths_plain_forward(tiny_tok, attn, test_device)
     prompt, root = [5, 9, 13, 40], 77
     tree = Tree([11, 12, 21, 22, 31], [-1, -1, 0, 0, 2], [1, 1, 2, 2, 3], [-1.0, -2.0, -1.5, -3.0, -2.5])
     target = HFTarget(model)
-    target.reset()
-    target.step(prompt)
-    logits, _ = target.step_tree(root, tree)
+    target.prefill([prompt])
+    n = 1 + len(tree)
+    logits, _ = target.step(
+        torch.tensor([[root, *tree.tokens]]),
+        torch.ones(1, n, dtype=torch.bool),
+        torch.tensor([[0, *tree.depths]]),
+        tree_mask(tree, 0)[None],
+    )
+    logits = logits[0]
     with torch.no_grad():
         # eager attention takes its softmax in fp32 even for a float64 model, so paths of other shapes differ by
         # ~1e-6 with some kernels (AVX2); a mask that hides nothing is off by ~1e-2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftsmith.eval.engine import decode
-from draftsmith.eval.proposers import Eagle3Proposer, NoDraft, PromptLookup
+from draftsmith.eval.proposers import Eagle3Proposer, NoDraft, PromptLookup, Proposal
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, make_generator, sample, uniform
 from draftsmith.eval.verify import residual, sampling_verify
@@ -19,40 +19,47 @@ Q = torch.tensor([[0.2, 0.6, 0.2], [0.4, 0.3, 0.3], [0.6, 0.2, 0.2]], dtype=torc
 
 
 class BigramTarget:
-    """The bigram target on the device of `table` (its logits, and so the verifier's p, live there)."""
+    """The bigram target on the device of `table` (its logits, and so the verifier's p, live there): the logits at
+    a slot are the table's row of the slot's token. It keeps no cache, so what a round keeps changes nothing."""
+
+    pad_id = 0
 
     def __init__(self, table):
         self.logp = table.log()
-        self.passes, self.n = 0, 0
+        self.device = table.device
 
-    def reset(self):
-        self.passes, self.n = 0, 0
+    def prefill(self, prompts):
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+        valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
+        return self.logp[ids.to(self.device)], None, valid
 
-    @property
-    def length(self):
-        return self.n
+    def step(self, tokens, valid, depths=None, visible=None):
+        return self.logp[tokens.to(self.device)], None
 
-    def step(self, tokens):
-        self.n += len(tokens)
-        self.passes += 1
-        return self.logp[list(tokens)], None
+    def keep(self, b, n_new, kept):
+        pass
 
-    def rollback(self, length):
-        self.n = length
+    def compact(self):
+        pass
 
 
 class BigramDraft(NoDraft):
     def __init__(self, table):
         self.table = table
 
-    def propose(self, history, k, params, gen):
-        x, drafts, qs = history[-1], [], []
-        for _ in range(k):
-            q = self.table[x]
-            x = sample(q, gen)
-            drafts.append(x)
-            qs.append(q)
-        return drafts, torch.stack(qs), []
+    def propose(self, histories, active, k, params, generators):
+        drafts, qs = [], []
+        for h, gen in zip(histories, generators):
+            x, row, row_q = h[-1], [], []
+            for _ in range(k):
+                q = self.table[x]
+                x = sample(q, gen)
+                row.append(x)
+                row_q.append(q)
+            drafts.append(row)
+            qs.append(torch.stack(row_q))
+        return Proposal(drafts, torch.stack(qs))
 
 
 def chi_square_pvalue(counts: Counter, probs: dict) -> float:
@@ -76,7 +83,7 @@ def emitted(verify, gamma, device, n=20000, seed=0):
     target, draft = BigramTarget(P.to(device)), BigramDraft(Q.to(device))
     counts = Counter()
     for _ in range(n):
-        r = decode(target, draft, [0], SamplingParams(temperature=1.0), gamma, 3, generator=gen, verify=verify)
+        (r,) = decode(target, draft, [[0]], SamplingParams(temperature=1.0), gamma, 3, generators=[gen], verify=verify)
         counts[tuple(r.tokens[:3])] += 1
     return counts
 
@@ -119,13 +126,6 @@ def test_residual_rule_on_the_chapter_example(test_device):
 # ----------------------------------------------------------------------------- greedy on a real HF model
 
 
-@pytest.fixture(scope="module")
-def tiny64(tiny_tok, test_device):
-    from tests.tiny import tiny_llama
-
-    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
-
-
 def plain_greedy(model, prompt, n):
     ids = list(prompt)
     with torch.no_grad():
@@ -141,9 +141,10 @@ class OracleDraft(NoDraft):
     def __init__(self, model, seed=0):
         self.model, self.rng = model, torch.Generator().manual_seed(seed)
 
-    def propose(self, history, k, params, gen):
+    def propose(self, histories, active, k, params, generators):
+        (history,) = histories
         cont = plain_greedy(self.model, history, k)
-        return [t if float(torch.rand((), generator=self.rng)) > 0.25 else (t + 1) % 384 for t in cont], None, []
+        return Proposal([[t if float(torch.rand((), generator=self.rng)) > 0.25 else (t + 1) % 384 for t in cont]])
 
 
 def _eagle3(model):
@@ -176,7 +177,7 @@ def test_greedy_commits_exactly_the_targets_greedy_tokens(tiny64, kind):
             "eagle3_adaptive": Eagle3Proposer(drafter, confidence_threshold=0.3) if drafter else None,
         }[kind]
         target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids if drafter else None)
-        r = decode(target, proposer, prompt, SamplingParams(), gamma, n_new)
+        (r,) = decode(target, proposer, [prompt], SamplingParams(), gamma, n_new)
         assert r.tokens == plain_greedy(tiny64, prompt, n_new), (kind, trial)
         assert r.tau == sum(a + 1 for _, a in r.rounds) / len(r.rounds)
         assert r.target_passes == len(r.rounds) + 1
@@ -191,14 +192,14 @@ def test_eagle3_sampling_runs_and_accounts(tiny64):
     drafter = _eagle3(tiny64)
     target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids)
     gen = make_generator(tiny64.device, 0)
-    r = decode(
+    (r,) = decode(
         target,
         Eagle3Proposer(drafter, confidence_threshold=0.2),
-        [5, 6, 7, 8],
+        [[5, 6, 7, 8]],
         SamplingParams(1.0, 0.9, 50),
         4,
         30,
-        generator=gen,
+        generators=[gen],
     )
     assert len(r.tokens) == 30 and 1.0 <= r.tau <= 5.0
     assert all(len(c) == d for c, (d, _) in zip(r.confidences, r.rounds))

@@ -9,10 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-import draftsmith.eval.batch as batch_mod
-from draftsmith.eval.batch import decode_batch
 from draftsmith.eval.engine import decode
-from draftsmith.eval.proposers import TrainedProposer
+from draftsmith.eval.proposers import Eagle3Proposer, PromptLookup, TrainedProposer
+from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, make_generator, probs_from_logits, sample
 from draftsmith.eval.verify import residual, sampling_verify
 from tests.eval.test_exactness import BigramTarget, chi_square_pvalue
@@ -80,26 +79,20 @@ class BigramTrained(TrainedProposer):
         self.ids = torch.arange(table.shape[0])
         self.vocab, self.device, self.threshold = table.shape[0], torch.device("cpu"), None
 
-    def start(self, prompt, first, feats):
-        pass
+    def propose(self, histories, active, k, params, generators):
+        last = torch.tensor([h[-1] for h in histories])
 
-    def commit(self, drafts, n, new, feats):
-        pass
+        def step(i, x):
+            return self.logits[last if x is None else x], torch.ones(len(histories), dtype=torch.float64)
 
-    def propose(self, history, k, params, gen):
-        x, drafts, qs = history[-1], [], []
-        for _ in range(k):
-            x, q = self._draw(self.logits[x], params, gen)
-            drafts.append(x)
-            qs.append(q)
-        return drafts, torch.stack(qs), []
+        return self._chain(k, active, params, generators, step)
 
 
 class QBeforeProcessing(BigramTrained):
     """Mutant: samples from the processed distribution but reports the raw softmax as q."""
 
-    def _draw(self, logits, params, gen):
-        x, _ = super()._draw(logits, params, gen)
+    def _draw(self, logits, params, generators, rows):
+        x, _ = super()._draw(logits, params, generators, rows)
         return x, torch.softmax(logits.double(), -1)
 
 
@@ -131,7 +124,7 @@ def emitted_bigram(proposer, verify=sampling_verify, gamma=3, n=8000, seed=0):
     gen = torch.Generator().manual_seed(seed)
     target, counts, accepted = BigramTarget(P5), Counter(), 0
     for _ in range(n):
-        r = decode(target, proposer, [0], PARAMS, gamma, 3, generator=gen, verify=verify)
+        (r,) = decode(target, proposer, [[0]], PARAMS, gamma, 3, generators=[gen], verify=verify)
         counts[tuple(r.tokens[:3])] += 1
         accepted += sum(a for _, a in r.rounds)
     return counts, accepted
@@ -192,12 +185,14 @@ def exact_model(model, prompt, params, n=3):
 
 
 def emitted_batched(model, kind, drafter, samples, seed=0):
-    gen = make_generator(model.device, seed)  # on the model's device, as eval makes it
     rows = PROMPTS * 4  # 8 rows, the two prompts alternating (of different lengths: ragged)
+    gens = [make_generator(model.device, seed * 100 + b) for b in range(len(rows))]  # on the model's device
+    proposer = Eagle3Proposer(drafter) if kind == "eagle3" else PromptLookup()
+    target = HFTarget(model, proposer.aux_ids)
     counts = [Counter(), Counter()]
     accepted = 0
     for _ in range(samples // 4):
-        for i, r in enumerate(decode_batch(model, rows, kind, PARAMS, 3, 3, (), gen, drafter=drafter)):
+        for i, r in enumerate(decode(target, proposer, rows, PARAMS, 3, 3, (), gens)):
             counts[i % 2][tuple(r.tokens[:3])] += 1
             accepted += sum(a for _, a in r.rounds)
     return counts, accepted
@@ -228,15 +223,15 @@ def test_batched_sampling_emits_each_rows_target_distribution(tiny64, kind):
 
 @pytest.mark.parametrize("mutant", ["p_from_another_row", "p_from_next_position"])
 def test_the_batched_sampling_test_rejects_mutants(tiny64, monkeypatch, mutant):
-    real_step = batch_mod.BatchedHFTarget.step
+    real_step = HFTarget.step
 
-    def broken_step(self, tokens, ok):
-        logits, feats = real_step(self, tokens, ok)
+    def broken_step(self, tokens, valid, depths=None, visible=None):
+        logits, feats = real_step(self, tokens, valid, depths, visible)
         if mutant == "p_from_another_row":
             return logits.roll(1, dims=0), feats
         return torch.cat([logits[:, 1:], logits[:, -1:]], dim=1), feats
 
-    monkeypatch.setattr(batch_mod.BatchedHFTarget, "step", broken_step)
+    monkeypatch.setattr(HFTarget, "step", broken_step)
     counts, _ = emitted_batched(tiny64, "prompt_lookup", None, 600, seed=2)
     worst = min(pooled_pvalue(c, exact_model(tiny64, prompt, PARAMS)) for prompt, c in zip(PROMPTS, counts))
     assert worst < 1e-6

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftsmith.eval.engine import TreeSpec, decode
-from draftsmith.eval.proposers import Eagle3Proposer, NoDraft
+from draftsmith.eval.proposers import Eagle3Proposer, NoDraft, Proposal
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, make_generator, sample, uniform
 from draftsmith.eval.tree import Tree, prune, sampling_tree_verify, tree_mask
@@ -26,27 +26,17 @@ P, Q, BigramTarget, chi_square_pvalue, exact3 = (
 )
 
 
-class BigramTreeTarget(BigramTarget):
-    def step_tree(self, root, tree):
-        self.passes += 1
-        self.n += 1 + len(tree)
-        return self.logp[[root] + list(tree.tokens)], None
-
-    def keep_path(self, past, path):
-        self.n = past + 1 + len(path)
-
-
 class BigramTreeDraft(NoDraft):
     """Deterministic top-k children from the draft bigram Q (scores: cumulative log q)."""
 
     def __init__(self, table):
         self.logq = table.log()
 
-    def start(self, prompt, first, feats):
-        self.last = first
+    def start(self, prompts, firsts, feats, valid):
+        (self.last,) = firsts
 
-    def commit_path(self, tokens, new, feats):
-        self.last = new
+    def commit(self, drafts, accepted, news, feats):
+        (self.last,) = news
 
     def propose_tree(self, depth, top_k, total):
         tree = Tree()
@@ -62,7 +52,7 @@ class BigramTreeDraft(NoDraft):
                     tree.scores.append(score + float(lq[c]))
                     nxt.append((len(tree) - 1, c, tree.scores[-1]))
             frontier = nxt
-        return prune(tree, total)
+        return Proposal([[]], tree=prune(tree, total))
 
 
 SMALL_TREE = TreeSpec(depth=2, top_k=2, total=5)
@@ -70,11 +60,11 @@ SMALL_TREE = TreeSpec(depth=2, top_k=2, total=5)
 
 def emitted_tree(tree_verify, device, n=20000, seed=0, spec=SMALL_TREE):
     gen = make_generator(device, seed)  # on the tables' device, as sampling there requires
-    target, draft = BigramTreeTarget(P.to(device)), BigramTreeDraft(Q.to(device))
+    target, draft = BigramTarget(P.to(device)), BigramTreeDraft(Q.to(device))
     counts = Counter()
     for _ in range(n):
-        r = decode(
-            target, draft, [0], SamplingParams(temperature=1.0), 0, 3, generator=gen, tree=spec, tree_verify=tree_verify
+        (r,) = decode(
+            target, draft, [[0]], SamplingParams(temperature=1.0), 0, 3, [], [gen], tree=spec, tree_verify=tree_verify
         )
         counts[tuple(r.tokens[:3])] += 1
     return counts
@@ -127,13 +117,6 @@ def test_tree_mask_and_prune():
     assert small.tokens == [5, 7] and small.parents == [-1, 0]
 
 
-@pytest.fixture(scope="module")
-def tiny64(tiny_tok, test_device):
-    from tests.tiny import tiny_llama
-
-    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
-
-
 @pytest.mark.parametrize("spec", [TreeSpec(depth=3, top_k=2, total=6), TreeSpec(depth=5, top_k=4, total=24)])
 def test_greedy_trees_commit_exactly_the_targets_greedy_tokens(tiny64, spec):
     drafter = _ex._eagle3(tiny64)
@@ -141,7 +124,7 @@ def test_greedy_trees_commit_exactly_the_targets_greedy_tokens(tiny64, spec):
     for _ in range(4):
         prompt = torch.randint(5, 380, (int(torch.randint(3, 16, (1,), generator=g)),), generator=g).tolist()
         target = HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids)
-        r = decode(target, Eagle3Proposer(drafter), prompt, SamplingParams(), 0, 20, tree=spec)
+        (r,) = decode(target, Eagle3Proposer(drafter), [prompt], SamplingParams(), 0, 20, tree=spec)
         assert r.tokens == _ex.plain_greedy(tiny64, prompt, 20)
         assert r.target_passes == len(r.rounds) + 1
 
@@ -149,14 +132,14 @@ def test_greedy_trees_commit_exactly_the_targets_greedy_tokens(tiny64, spec):
 def test_sampled_trees_run_on_a_real_model(tiny64):
     drafter = _ex._eagle3(tiny64)
     gen = make_generator(tiny64.device, 0)
-    r = decode(
+    (r,) = decode(
         HFTarget(tiny64, aux_ids=drafter.config.aux_layer_ids),
         Eagle3Proposer(drafter),
-        [5, 6, 7],
+        [[5, 6, 7]],
         SamplingParams(1.0),
         0,
         25,
-        generator=gen,
+        generators=[gen],
         tree=TreeSpec(depth=3, top_k=3, total=8),
     )
     assert len(r.tokens) == 25 and r.tau >= 1.0
@@ -170,11 +153,11 @@ class OracleTreeDraft(NoDraft):
     def __init__(self, model, seed):
         self.model, self.rng = model, torch.Generator().manual_seed(seed)
 
-    def start(self, prompt, first, feats):
-        self.history = list(prompt) + [first]
+    def start(self, prompts, firsts, feats, valid):
+        self.history = list(prompts[0]) + [firsts[0]]
 
-    def commit_path(self, tokens, new, feats):
-        self.history += list(tokens) + [new]
+    def commit(self, drafts, accepted, news, feats):
+        self.history += list(drafts[0][: accepted[0]]) + [news[0]]
 
     def propose_tree(self, depth, top_k, total):
         greedy = _ex.plain_greedy(self.model, self.history, depth)
@@ -190,7 +173,7 @@ class OracleTreeDraft(NoDraft):
                 tree.depths.append(d)
                 tree.scores.append(score)
             parent = len(tree) - 1
-        return tree
+        return Proposal([[]], tree=tree)
 
 
 def test_greedy_trees_with_long_accepted_paths(tiny64):
@@ -198,10 +181,10 @@ def test_greedy_trees_with_long_accepted_paths(tiny64):
     rounds = []
     for trial in range(3):
         prompt = torch.randint(5, 380, (8,), generator=g).tolist()
-        r = decode(
+        (r,) = decode(
             HFTarget(tiny64),
             OracleTreeDraft(tiny64, trial),
-            prompt,
+            [prompt],
             SamplingParams(),
             0,
             30,

@@ -187,14 +187,14 @@ def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_fin
     calls = []
     real_decode = evaluate.decode
 
-    def spy(target, proposer, prompt, params, gamma, max_new_tokens, stops, gen, **kw):
+    def spy(target, proposer, prompts, params, gamma, max_new_tokens, stops, gens, **kw):
         calls.append((type(proposer).__name__, params.temperature, max_new_tokens))
-        assert (
-            isinstance(gen, torch.Generator) and gen.device.type == target.device.type
-        )  # multinomial on CUDA needs it
+        # one generator per row, on the target's device: multinomial on CUDA needs it
+        assert len(gens) == len(prompts)
+        assert all(isinstance(g, torch.Generator) and g.device.type == target.device.type for g in gens)
         if params.temperature == 1.0 and max_new_tokens == 12:
             raise RuntimeError("a failure at the second temperature")
-        return real_decode(target, proposer, prompt, params, gamma, max_new_tokens, stops, gen, **kw)
+        return real_decode(target, proposer, prompts, params, gamma, max_new_tokens, stops, gens, **kw)
 
     monkeypatch.setattr(evaluate, "decode", spy)
     with pytest.raises(RuntimeError, match="second temperature"):
