@@ -1,6 +1,6 @@
 """Target feature capture and the batching shared by the offline store and the online source.
 
-Aux layer ids are HF `output_hidden_states` indices (DESIGN.md): with decoder layers 0..L-1, index 0 is
+Aux layer ids are HF `output_hidden_states` indices: with decoder layers 0..L-1, index 0 is
 the input of layer 0 (the embeddings), index i < L the input of layer i, and index L the final normed
 output. They are captured with forward pre-hooks on the decoder layers, which is exactly that definition
 and keeps only the requested layers alive; the final normed state is the base model's output. The

@@ -358,12 +358,18 @@ class ExportConfig(Section):
     """Weight dtype in the exported checkpoint."""
 
 
+BudgetStage = Literal["generate", "collect", "train", "eval", "export"]
+"""The stages a budget predicts."""
+ProbeName = Literal["gen_step", "prefill", "decode", "train_step", "load"]
+"""The probe figures (pipeline/budget.py: `Probes`)."""
+
+
 class BudgetReference(Section):
     """One measured run of this recipe: what the budget scales from."""
 
-    seconds: dict[Literal["generate", "collect", "train", "eval", "export"], float]
+    seconds: dict[BudgetStage, float]
     """Wall time of each stage in that run."""
-    probes: dict[Literal["gen_step", "prefill", "decode", "train_step", "load"], float] = Field(min_length=5)
+    probes: dict[ProbeName, float] = Field(min_length=5)
     """The probe figures (pipeline/budget.py: `Probes`) of the machine that run was on."""
     synthesize: int = Field(ge=1)
     """generate.synthesize of that run (the data stages scale with it)."""
@@ -508,7 +514,28 @@ def describe_errors(exc: ValidationError, origin: str) -> str:
             got = err.get("input")
             got_s = "" if isinstance(got, dict) else f" (got {got!r})"
             lines.append(f"  '{key}': {err['msg']}{got_s}")
+            about = _description(loc)
+            if about:
+                field = loc
+                while field and isinstance(field[-1], int):
+                    field = field[:-1]
+                lines.append(f"    ({'.'.join(str(p) for p in field)}: {about})")
     return "\n".join(lines)
+
+
+def _description(loc: tuple[Any, ...]) -> str | None:
+    """The first sentence of the docstring of the field at `loc` (None when `loc` names no field)."""
+    while loc and isinstance(loc[-1], int):  # an item of a list field: the list's description
+        loc = loc[:-1]
+    owner = _model_at(loc)
+    name = str(loc[-1]) if loc else ""
+    field = owner.model_fields.get(name) if owner else None
+    if field is None and owner is not None:
+        field = next((f for f in owner.model_fields.values() if f.alias == name), None)
+    if field is None or not field.description:
+        return None
+    text = " ".join(field.description.split())
+    return text.split(". ")[0].rstrip(".")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

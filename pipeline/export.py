@@ -1,6 +1,6 @@
 """`draftsmith export` / `draftsmith import`: drafters in the layouts serving engines load as they are.
 
-Formats (rules in ../shared/reference/engine-formats.md, re-checked against the engines' loaders):
+Formats (each checked against the engines' loaders; README's export section states them):
 - `eagle3/`: one directory both vLLM (`method: eagle3`) and SGLang (`EAGLE3`) load: `midlayer.*` names,
   `LlamaForCausalLMEagle3`, top-level aux ids in vLLM numbering (HF hidden_states indices) and a nested
   `eagle_config` copy in SGLang numbering (one lower). SGLang takes exactly 1 layer, 3 aux layers and

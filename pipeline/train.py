@@ -3,8 +3,8 @@
 accelerate drives devices, data parallelism (DDP or DeepSpeed ZeRO 1/2/3 from a JSON in launch/), mixed
 precision and gradient accumulation; the loop itself is written out here. Features come from the offline
 store or are computed online by the target; batches are length-bucketed, reshuffled per epoch and sharded
-across ranks (`data.features.iterate_batches`), so a resumed run sees exactly the batches the
-uninterrupted one would have.
+across ranks (`data.features.plan_batches`, each loaded by the source's `load_batch`), so a resumed run sees
+exactly the batches the uninterrupted one would have.
 
 Output: RUN_DIR/train/<family>/ for each family in train.drafters, with checkpoints/step-N (accelerate
 state + drafter), best/ (highest holdout simulated acceptance length), final/ and a manifest.json once

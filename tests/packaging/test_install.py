@@ -65,3 +65,17 @@ def test_python_m_draftsmith_runs_from_outside_the_checkout(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "STAGE" in out.stdout
+
+
+def test_no_file_points_outside_the_repository():
+    """The repository stands alone: no code or doc refers readers to files that only exist beside it."""
+    outside = ("../shared", "shared/reference", "DESIGN.md", "engine-formats.md", "speculative-decoding-chapter")
+    found = [
+        f"{f}: {needle}"
+        for f in _tracked_files()
+        if f.endswith((".py", ".md", ".yaml", ".toml", ".sh", ".sbatch", "Makefile"))
+        and f != "tests/packaging/test_install.py"
+        for needle in outside
+        if needle in (REPO / f).read_text(errors="replace")
+    ]
+    assert not found, found

@@ -94,3 +94,15 @@ def test_every_field_is_documented():
                     walk(sub, f"{prefix}{name}.")
 
     walk(RunConfig)
+
+
+@pytest.mark.parametrize("override, key", [("train.lr=-1", "train.lr"), ("eval.temperatures=[x]", "eval.temperatures")])
+def test_a_bad_value_is_explained_by_its_fields_description(override, key):
+    """The error cites what the field is for (the first sentence of its docstring), for list items too."""
+    from draftsmith.pipeline.config import RunConfig
+
+    section, name = key.split(".")
+    description = RunConfig.model_fields[section].annotation.model_fields[name].description
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert f"({key}: {description.split('. ')[0].rstrip('.')}" in " ".join(str(info.value).split())
