@@ -22,7 +22,7 @@ def expected_calibration_error(pred: torch.Tensor, observed: torch.Tensor, bins:
     if pred.numel() == 0:
         return float("nan")
     which = (pred * bins).long().clamp(0, bins - 1)
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=pred.device)
     for b in range(bins):
         sel = which == b
         if sel.any():
@@ -35,7 +35,7 @@ def survival_ece(
 ) -> list[float]:
     """ECE of the predicted survival at every position, for the given temperatures. Inputs [N, γ]; a block
     contributes to position k while its slots up to k are valid."""
-    conf = torch.sigmoid(conf_logits.double() / torch.tensor(temps, dtype=torch.float64))
+    conf = torch.sigmoid(conf_logits.double() / torch.tensor(temps, dtype=torch.float64, device=conf_logits.device))
     pred = conf.cumprod(-1)
     obs = alphas.double().cumprod(-1)
     return [expected_calibration_error(pred[valid[:, k], k], obs[valid[:, k], k], bins) for k in range(conf.shape[1])]
@@ -53,7 +53,8 @@ def fit_sequential_temperatures(
     G = conf_logits.shape[1]
     temps: list[float] = []
     obs = alphas.double().cumprod(-1)
-    prefix = torch.ones(conf_logits.shape[0], dtype=torch.float64)  # S_{k-1} under the fitted temperatures
+    # S_{k-1} under the fitted temperatures
+    prefix = torch.ones(conf_logits.shape[0], dtype=torch.float64, device=conf_logits.device)
     for k in range(G):
         sel = valid[:, k]
         if not sel.any():

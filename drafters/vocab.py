@@ -20,8 +20,8 @@ def select_draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, t
     # stable sort on -count keeps ascending ids among equal counts
     order = torch.sort(-counts.to(torch.float64), stable=True).indices[:size]
     target_ids = torch.sort(order).values.to(torch.int64)
-    d2t = target_ids - torch.arange(size, dtype=torch.int64)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
+    d2t = target_ids - torch.arange(size, dtype=torch.int64, device=counts.device)
+    t2d = torch.zeros(vocab, dtype=torch.bool, device=counts.device)
     t2d[target_ids] = True
     return d2t, t2d
 

@@ -19,8 +19,8 @@ def test_mapping_invariants(test_device):
     assert counts[t2d].min() >= counts[~t2d].max()
 
 
-def test_ties_prefer_lower_ids_and_size_checks():  # CPU-only: the choice is made from CPU token counts
-    counts = torch.tensor([0, 5, 5, 5, 1])
+def test_ties_prefer_lower_ids_and_size_checks(test_device):
+    counts = torch.tensor([0, 5, 5, 5, 1], device=test_device)  # the choice is made where the counts are
     d2t, t2d = select_draft_vocab(counts, 2)
     assert draft_to_target_ids(d2t).tolist() == [1, 2]
     assert select_draft_vocab(counts, 5)[1].all()
