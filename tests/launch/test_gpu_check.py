@@ -1,0 +1,57 @@
+"""launch/gpu_check.sh --tiny on the CPU: every step of the GPU check runs at toy sizes, writes its results, and the
+summary shows all of them passed, so the one GPU call cannot fail on a typo (issue 18)."""
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = {
+    "env": "env/env.txt",
+    "install": "install/installed.txt",
+    "tests": "tests/junit.xml",
+    "test_train": "test_train/junit.xml",
+    "bench": "bench/bench_gpu.json",
+    "zero2": "zero2/zero2.json",
+    "demo": "demo/report.md",
+}
+
+
+def test_gpu_check_tiny_runs_every_step_on_cpu(tmp_path):
+    out = tmp_path / "check"
+    env = {k: v for k, v in os.environ.items() if k not in ("DRAFTSMITH_TEST_DEVICE", "OUT", "PYTHONPATH")}
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "gpu_check.sh"), "--tiny", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    summary = (out / "summary.tsv").read_text() if (out / "summary.tsv").is_file() else ""
+    assert proc.returncode == 0, (summary, proc.stdout[-6000:], proc.stderr[-2000:])
+    rows = [line.split("\t") for line in summary.splitlines()]
+    assert [r[0] for r in rows] == list(STEPS)
+    assert all(r[1] == "PASS" and r[2] == "0" for r in rows), rows
+    for step, result in STEPS.items():
+        assert (out / "results" / result).is_file(), step
+        assert (out / "logs" / f"{step}.log").is_file(), step
+    md = (out / "summary.md").read_text()
+    assert "| demo | PASS |" in md and "tokens/s" in md and "τ" in md  # bench's and eval's tables follow
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        names = tar.getnames()
+    assert "summary.md" in names and "results/zero2/zero2.json" in names and not any("work" in n for n in names)
+
+
+def test_gpu_check_refuses_unknown_flags(tmp_path):
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "gpu_check.sh"), "--tiyn", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2 and "unknown flag --tiyn" in proc.stderr
