@@ -13,8 +13,8 @@ STEPS = {
     "install": "install/installed.txt",
     "tests": "tests/junit.xml",
     "test_train": "test_train/junit.xml",
-    "bench": "bench/bench_gpu.json",
     "zero2": "zero2/zero2.json",
+    "bench": "bench/bench_gpu.json",
     "demo": "demo/report.md",
 }
 
