@@ -36,5 +36,11 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) launch/bench_generate.py
 
+# Issue 18's one GPU call (docs/benchmarks.md): CUDA tests, bench_gpu, a ZeRO-2 run resumed once, the GPU demo, in
+# <= 9 minutes on one H100/H200. No venv: it runs with the GPU image's python3 and the wheels of launch/gpu-wheels.
+GPU_CHECK_OUT ?= runs/gpu_check
+gpu-check:
+	bash launch/gpu_check.sh $(GPU_CHECK_OUT)
+
 clean:
 	rm -rf $(VENV) .pytest_cache
