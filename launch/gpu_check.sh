@@ -125,6 +125,12 @@ import platform, torch, transformers, accelerate
 print("python", platform.python_version(), "torch", torch.__version__, "transformers", transformers.__version__,
       "accelerate", accelerate.__version__)
 print("cuda", torch.cuda.is_available(), torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+import importlib.metadata as md
+for name in ("numpy", "pyarrow", "pandas", "fsspec", "huggingface-hub", "tokenizers", "pydantic", "deepspeed", "datasets"):
+    try:
+        print(name, md.version(name))  # what the bundle's wheels (installed with --no-deps) meet there
+    except md.PackageNotFoundError:
+        print(name, "-")
 EOF
     cat "$RES/env/env.txt"
 }
@@ -176,7 +182,8 @@ do_install() {
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         "${wheels[@]}" || return 1
     ls "$SITE" | tee "$RES/install/installed.txt"
-    "$PY" -c "import deepspeed, pydantic, gguf; print('deepspeed', deepspeed.__version__, 'pydantic', pydantic.__version__)"
+    "$PY" -c "import deepspeed, pydantic, gguf, datasets; print('deepspeed', deepspeed.__version__, 'pydantic',
+pydantic.__version__, 'datasets', datasets.__version__)"
 }
 
 do_tests() {
