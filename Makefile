@@ -8,7 +8,7 @@ PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install check test demo bench clean
 
 $(STAMP): pyproject.toml requirements-assets.txt requirements-external.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,13 @@ $(STAMP): pyproject.toml requirements-assets.txt requirements-external.txt Makef
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Lint, format and type checks (ruff, and mypy through launch/typecheck.sh); `test` runs them first.
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	PYTHON=$(abspath $(PY)) bash launch/typecheck.sh
+
+test: $(STAMP) check
 	@$(PY) -c "import torch; from draftsmith.pipeline.precision import cpu_bf16; print('CPU kernels:', torch.backends.cpu.get_cpu_capability(), '| native bf16:', *cpu_bf16())"
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
 def target_shape_fields(target_config, aux_layer_ids: list[int], draft_vocab_size: int) -> dict[str, Any]:
@@ -38,7 +39,29 @@ class DrafterConfigMixin:
     """Shared by the drafter config dataclasses: the HF Llama config of their decoder layers (for the RoPE,
     MLP and RMSNorm modules) and the dict round trip of config.json."""
 
+    # The fields the mixin reads, declared for the type checker (the subclasses are dataclasses with these
+    # fields; bare annotations on this plain class create no attributes and no dataclass fields).
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    hidden_act: str
+    rope_theta: float
+    extra: dict[str, Any]
+
     def layer_config(self) -> LlamaConfig:
+        # rope_theta is a constructor argument in transformers 4.x; 5.x still accepts it (folding it into
+        # rope_parameters) but no longer declares it, so it travels with the other version-dependent keywords
+        version_dependent: dict[str, Any] = {
+            "rope_theta": self.rope_theta,
+            **{k: v for k, v in self.extra.items() if k in ("rope_scaling",)},
+        }
         return LlamaConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -50,8 +73,7 @@ class DrafterConfigMixin:
             rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,
             hidden_act=self.hidden_act,
-            rope_theta=self.rope_theta,
-            **{k: v for k, v in self.extra.items() if k in ("rope_scaling",)},
+            **version_dependent,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,6 +90,12 @@ class DrafterBase(torch.nn.Module):
 
     name: str
     config_class: Any
+    # set by the subclasses' __init__ (declared so that nn.Module's dynamic attribute lookup is not what types them)
+    config: DrafterConfigMixin
+    rotary: LlamaRotaryEmbedding
+    _inv_freq: torch.Tensor
+    d2t: torch.Tensor  # registered buffer: draft id -> target id offset
+    t2d: torch.Tensor  # registered buffer: target id -> in the draft vocabulary
 
     def _rope(self, positions: torch.Tensor, like: torch.Tensor):
         """cos/sin of RoPE at `positions`, computed in fp32 and cast to the activations' dtype."""

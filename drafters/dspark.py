@@ -21,7 +21,7 @@ head reads `[h_k ; W1[x_{p+k}]]`, so it sees the previous token but never the to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -143,6 +143,7 @@ class ConfidenceHead(nn.Module):
 class DSparkDrafter(DrafterBase):
     name = "dspark"
     config_class = DSparkConfig
+    config: DSparkConfig
 
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
@@ -174,7 +175,8 @@ class DSparkDrafter(DrafterBase):
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cos, sin = self._rope(positions, ctx)
-        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+        # (an nn.ModuleList iterates as plain Modules; these are the DSparkLayers built in __init__)
+        return [cast(DSparkLayer, layer).self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """[..., γ] block token ids: the anchor, then MASK."""
@@ -202,7 +204,7 @@ class DSparkDrafter(DrafterBase):
         """(biased logits, raw confidence logits) of slots with normed hidden h and previous tokens prev_tokens."""
         base = self.lm_head(h) if base is None else base
         prev = self.prev_embedding(prev_tokens)
-        if prev is None:
+        if prev is None or self.markov_head is None:  # (None together: prev comes from the Markov head)
             return base, self.confidence_head(h)
         prev = prev.to(h.dtype)
         return base + self.markov_head(prev), self.confidence_head(torch.cat([h, prev], dim=-1))

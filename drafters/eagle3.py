@@ -64,20 +64,21 @@ class KVCache:
         self.v: list[torch.Tensor | None] = [None] * num_layers
 
     def length(self, layer: int = 0) -> int:
-        return 0 if self.k[layer] is None else self.k[layer].shape[2]
+        k = self.k[layer]
+        return 0 if k is None else k.shape[2]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k[layer] is None:
-            self.k[layer], self.v[layer] = k, v
-        else:
-            self.k[layer] = torch.cat([self.k[layer], k], dim=2)
-            self.v[layer] = torch.cat([self.v[layer], v], dim=2)
-        return self.k[layer], self.v[layer]
+        # a layer's keys and values are set together, so they are None together
+        past_k, past_v = self.k[layer], self.v[layer]
+        if past_k is not None and past_v is not None:
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
 
     def crop(self, length: int) -> None:
-        for i in range(len(self.k)):
-            if self.k[i] is not None:
-                self.k[i], self.v[i] = self.k[i][:, :, :length], self.v[i][:, :, :length]
+        for i, (k, v) in enumerate(zip(self.k, self.v)):
+            if k is not None and v is not None:
+                self.k[i], self.v[i] = k[:, :, :length], v[:, :, :length]
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -197,6 +198,7 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(DrafterBase):
     name = "eagle3"
     config_class = Eagle3Config
+    config: Eagle3Config
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()

@@ -68,7 +68,8 @@ def tree_mask(tree: Tree, past: int) -> torch.Tensor:
 
 def greedy_tree_verify(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
     """(accepted node path, the target's next token). logits: [1+N, V], row 0 = root."""
-    path, node = [], -1
+    path: list[int] = []
+    node = -1
     while True:
         choice = int(logits[0 if node == -1 else 1 + node].argmax())
         nxt = next((c for c in tree.children(node) if tree.tokens[c] == choice), None)
@@ -80,7 +81,8 @@ def greedy_tree_verify(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int
 
 def sampling_tree_verify(tree: Tree, p: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
     """Recursive rejection over siblings. p: [1+N, V] target distributions, row 0 = root."""
-    path, node = [], -1
+    path: list[int] = []
+    node = -1
     while True:
         dist = p[0 if node == -1 else 1 + node].clone()
         accepted = None

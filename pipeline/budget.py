@@ -32,14 +32,20 @@ from typing import Any
 import torch
 
 from draftsmith.data.artifacts import atomic_write_text
-from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.config import BudgetStage, ProbeName, RunConfig
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
-DATA_STAGES = ("generate", "collect", "train")
-PROBE_OF = {"generate": "gen_step", "collect": "prefill", "train": "train_step", "eval": "decode", "export": None}
+DATA_STAGES: tuple[BudgetStage, ...] = ("generate", "collect", "train")
+PROBE_OF: dict[BudgetStage, ProbeName | None] = {
+    "generate": "gen_step",
+    "collect": "prefill",
+    "train": "train_step",
+    "eval": "decode",
+    "export": None,
+}
 
 
 @dataclass
@@ -172,7 +178,7 @@ def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512)
 class Plan:
     synthesize: int
     max_prompts_per_domain: int
-    predicted: dict[str, float]
+    predicted: dict[BudgetStage, float]
     """Seconds per stage at the chosen sizes."""
     probes: Probes
     budget_s: float
@@ -195,10 +201,13 @@ def choose_sizes(cfg: RunConfig, probes: Probes, spent: float = 0.0) -> Plan:
     b, ref = cfg.budget, cfg.budget.reference
     assert b.minutes is not None and ref is not None  # the config refuses minutes without a reference
     loads = target_loads(cfg)
-    fixed, work = {}, {}  # per stage: seconds that do not scale, and the scaling part at the reference sizes, here
+    # per stage: seconds that do not scale, and the scaling part at the reference sizes, here
+    fixed: dict[BudgetStage, float] = {}
+    work: dict[BudgetStage, float] = {}
     for stage, seconds in ref.seconds.items():
         fixed[stage] = loads.get(stage, 0) * probes.load
-        ratio = getattr(probes, PROBE_OF[stage]) / ref.probes[PROBE_OF[stage]] if PROBE_OF[stage] else 1.0
+        probe = PROBE_OF[stage]
+        ratio = getattr(probes, probe) / ref.probes[probe] if probe else 1.0
         work[stage] = max(0.0, seconds - loads.get(stage, 0) * ref.probes["load"]) * ratio
     budget = b.minutes * 60.0 * b.safety - spent - sum(fixed.values())
     eval_per_prompt = work.get("eval", 0.0) / ref.max_prompts_per_domain
@@ -262,6 +271,7 @@ def plan_budget(cfg: RunConfig, is_main: bool, wait) -> tuple[RunConfig, dict[st
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, json.dumps(earlier, indent=2))
             ref = cfg.budget.reference
+            assert ref is not None  # as in choose_sizes
             console.print(
                 f"budget {cfg.budget.minutes:g} min: probes here {_fmt(plan.probes)} (reference {ref.machine or 'run'}: "
                 f"{_fmt(Probes(**ref.probes))}); chose generate.synthesize={plan.synthesize} "

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist_state().is_main_process and args.stage != "plan":  # plan runs nothing and writes nothing
             save_config(cfg, RunLayout.of(cfg).config_file)
-        extra = {
+        stage_kwargs = {
             "collect": {"verify": getattr(args, "verify", 0)},
             "train": {"resume": getattr(args, "resume", False)},
             "eval": {"drafter": getattr(args, "drafter", None)},
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             },
         }.get(args.stage, {})
-        _stage(args.stage)(cfg, **extra)
+        _stage(args.stage)(cfg, **stage_kwargs)
         succeeded = True
     except expected as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)

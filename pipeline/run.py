@@ -115,7 +115,7 @@ def run_all(cfg: RunConfig) -> Path:
             run_collect(cfg)  # continues from the shards already stored
         elif stage == "train":
             resume = any(found[family].status is Status.RESUMABLE for family in todo)
-            run_train(cfg, resume=resume, families=todo)
+            run_train(cfg, resume=resume, families=[f for f in todo if f is not None])  # (all are, in train)
         elif stage == "eval":
             run_eval_stage(cfg)
         elif stage == "export":
