@@ -1,11 +1,15 @@
 """launch/gpu_check.sh --tiny on the CPU: every step of the GPU check runs at toy sizes, writes its results, and the
 summary shows all of them passed, so the one GPU call cannot fail on a typo (issue 18)."""
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = {
@@ -55,3 +59,19 @@ def test_gpu_check_refuses_unknown_flags(tmp_path):
         check=False,
     )
     assert proc.returncode == 2 and "unknown flag --tiyn" in proc.stderr
+
+
+def test_the_bundle_covers_every_dependency_the_gpu_image_lacks():
+    """A dependency added to pyproject.toml must be named in launch/build_gpu_bundle.py: fetched for the GPU image,
+    already there, or deliberately left out; and each asset pin is one the builder reads."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    spec = importlib.util.spec_from_file_location("build_gpu_bundle", REPO / "launch" / "build_gpu_bundle.py")
+    bundle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bundle)
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower() for d in deps}
+    known = set(bundle.MISSING) | bundle.IMAGE_HAS | bundle.LEFT_OUT
+    assert names <= known, names - known
+    assert not set(bundle.MISSING) & bundle.IMAGE_HAS
+    pins = bundle.asset_pins()
+    assert any(p.startswith(bundle.MODEL + "==") for p in pins) and all("==" in p for p in pins)
