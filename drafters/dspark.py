@@ -360,7 +360,7 @@ class DSparkDrafter(DrafterBase):
             model.embed_tokens.weight.copy_(embed_weight)
             model.d2t.copy_(d2t)
             model.t2d.copy_(t2d)
-            ids = torch.arange(draft_vocab_size) + d2t
+            ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t
             model.lm_head.weight.copy_(
                 head_weight.detach().to(model.lm_head.weight.device, torch.float32)[ids.to(head_weight.device)]
             )

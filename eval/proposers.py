@@ -94,6 +94,11 @@ class TrainedProposer(NoDraft):
     """What proposers of trained drafters share: the draft->target vocabulary map, drawing one token per row, the
     adaptive-length rule, and the key mask over the drafter's cache."""
 
+    key_mask: torch.Tensor
+    """[B, cache slots]: the drafter cache's valid slots per row (set by `start`)."""
+    pos: torch.Tensor
+    """[B] (CPU): each row's next position (set by `start`)."""
+
     def __init__(self, drafter, confidence_threshold: float | None = None):
         self.drafter = drafter.eval()
         self.device = next(drafter.parameters()).device

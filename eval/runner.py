@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -117,6 +118,9 @@ class HFTarget:
             self.cache.crop(-(self.length - len(keep)))  # negative: remove that many (transformers 4.5x and 5)
         else:
             for layer in self.cache.layers:
-                layer.keys = layer.keys.index_select(2, keep)
-                layer.values = layer.values.index_select(2, keep)
+                kv: Any = layer  # only attention layers hold per-slot keys/values (not linear-attention ones)
+                if getattr(kv, "keys", None) is None or getattr(kv, "values", None) is None:
+                    raise NotImplementedError(f"cannot drop cache slots of a {type(layer).__name__}")
+                kv.keys = kv.keys.index_select(2, keep)
+                kv.values = kv.values.index_select(2, keep)
         self.key_mask = self.key_mask[:, keep]
