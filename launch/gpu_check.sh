@@ -36,7 +36,7 @@ for arg in "$@"; do
     case "$arg" in
         --tiny) TINY=1 ;;
         -h | --help)
-            sed -n '2,29p' "$0"
+            sed -n '2,/^set -u/p' "$0" | grep '^#' | cut -c 3-
             exit 0
             ;;
         -*)
