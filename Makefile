@@ -8,7 +8,7 @@ PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.installed
 
-.PHONY: install check test demo bench clean
+.PHONY: install check test demo bench gpu-check clean
 
 $(STAMP): pyproject.toml requirements-assets.txt requirements-external.txt Makefile
 	$(PYTHON) -m venv $(VENV)

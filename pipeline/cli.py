@@ -20,7 +20,7 @@ ENTRY_POINTS = {
     "generate": "draftsmith.pipeline.generate:run_generate",
     "collect": "draftsmith.pipeline.collect:run_collect",
     "train": "draftsmith.pipeline.train:run_train",
-    "eval": "draftsmith.pipeline.run:run_eval_stage",  # run_eval, plus the completion record it does not write yet
+    "eval": "draftsmith.pipeline.evaluate:run_eval",
     "export": "draftsmith.pipeline.export:run_export",
     "import": "draftsmith.pipeline.export:run_import",
     "run": "draftsmith.pipeline.run:run_all",

@@ -122,14 +122,6 @@ def clear(directory: Path) -> None:
         (Path(directory) / name).unlink(missing_ok=True)
 
 
-def record_inputs(directory: Path, inputs: dict[str, Any]) -> None:
-    """Add the completion record to a manifest a stage wrote without it (eval, until evaluate.py records it)."""
-    path = Path(directory) / MANIFEST
-    manifest = json.loads(path.read_text())
-    manifest.update(status="complete", inputs=_normalized(inputs))
-    atomic_write_text(path, json.dumps(manifest, indent=2) + "\n")
-
-
 def start(directory: Path, inputs: dict[str, Any], state, stage: str) -> Completion:
     """For a stage that resumes its own work (generate, collect): the artifact's completion, a STALE one refused
     (StageError naming what differs); unless COMPLETE, its progress record is written once every rank has read the

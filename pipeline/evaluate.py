@@ -26,11 +26,13 @@ from draftsmith.eval.proposers import PROPOSERS, NoDraft, PromptLookup
 from draftsmith.eval.report import markdown_table, plots
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
+from draftsmith.pipeline.completion import clear, stage_inputs, write_progress
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.dist import dist_state
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.inputs import trained_drafter
+from draftsmith.pipeline.layout import RunLayout
 from draftsmith.pipeline.target import load_target
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,14 @@ def _proposers(cfg: RunConfig, target, drafter: str | None, tree: TreeSpec | Non
 
 def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     e = cfg.eval
+    layout = RunLayout.of(cfg)
+    out, inputs = layout.eval, stage_inputs(cfg, "eval", drafter=drafter)
+    state = dist_state()
+    state.wait_for_everyone()  # every rank has read the old record (`draftsmith run`) before it goes
+    if state.is_main_process:
+        clear(out)
+        write_progress(out, inputs)
+    state.wait_for_everyone()
     target = load_target(cfg.model)
     model, tok = target.model, target.tokenizer
     stops = stop_token_ids(tok, model)
@@ -103,7 +113,6 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     gammas = {name: getattr(p, "length", None) or e.draft_length for name, p in proposers.items()}
     prompts = eval_prompts(cfg, tok)
     log.info("eval: %d prompts, drafters %s, temperatures %s", len(prompts), list(proposers), e.temperatures)
-    state = dist_state()
     if state.num_processes > 1:
         log.info("eval: %d ranks, each decoding every %d-th batch of prompts", state.num_processes, state.num_processes)
 
@@ -135,7 +144,6 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         for temperature in sorted({0.0, *e.temperatures}):
             run_batch(batches[0], name, SamplingParams(temperature, e.top_p, e.top_k), min(8, e.max_new_tokens))
 
-    out = cfg.run_path / e.output
     settings = {
         **e.model_dump(mode="json"),
         "device": str(target.device),
@@ -174,13 +182,13 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         # each temperature's results are on disk as soon as they exist (marked incomplete until the last one):
         # a failure at a later temperature loses nothing already measured
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "eval.json", json.dumps(ev, indent=2))
+        atomic_write_text(layout.eval_json, json.dumps(ev, indent=2))
 
-    if not state.is_main_process:
-        return out  # the main process writes the merged results
-    ev["complete"] = True
-    atomic_write_text(out / "eval.json", json.dumps(ev, indent=2))
-    _report(out, ev, target, model, drafter_info, len(prompts))
+    if state.is_main_process:  # the main process writes the merged results
+        ev["complete"] = True
+        atomic_write_text(layout.eval_json, json.dumps(ev, indent=2))
+        _report(layout, inputs, ev, target, model, drafter_info, len(prompts))
+    state.wait_for_everyone()  # no rank moves on (`draftsmith run`'s export) before the record exists
     return out
 
 
@@ -206,19 +214,19 @@ def _summary(temperature, by, diverged, gammas, names, n_prompts, greedy) -> dic
     return run
 
 
-def _report(out: Path, ev: dict[str, Any], target, model, drafter_info, n_prompts: int) -> None:
-    """report.md (also printed), the plots and the manifest that marks the evaluation complete."""
+def _report(layout: RunLayout, inputs, ev: dict[str, Any], target, model, drafter_info, n_prompts: int) -> None:
+    """report.md (also printed), the plots and the manifest that marks the evaluation complete (with its inputs)."""
+    out = layout.eval
     table = markdown_table(ev)
     written = plots(ev, out)
     trained_list = ", ".join(f"{n} `{i['path']}`" for n, i in drafter_info.items()) or "none"
-    (out / "report.md").write_text(
+    layout.eval_report.write_text(
         f"# draftsmith eval\n\nTarget: `{target.identity['name']}`; trained drafters: "
         f"{trained_list}; device {target.device}, "
         f"{model.dtype}; {n_prompts} prompts.\n\n{table}\n" + "".join(f"\n![{w}]({w})\n" for w in written)
     )
-    write_manifest(
-        out, "eval", target=target.identity, drafters=drafter_info, files=["eval.json", "report.md", *written]
-    )
+    files = [layout.eval_json.name, layout.eval_report.name, *written]
+    write_manifest(out, "eval", inputs=inputs, target=target.identity, drafters=drafter_info, files=files)
     console.print(table, highlight=False)
 
 

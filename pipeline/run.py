@@ -16,7 +16,7 @@ import logging
 import time
 from pathlib import Path
 
-from draftsmith.pipeline.completion import Status, clear, record_inputs, stage_completion, stage_inputs, write_progress
+from draftsmith.pipeline.completion import Status, stage_completion
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.dist import dist_state
@@ -44,28 +44,9 @@ def plan_stages(cfg: RunConfig) -> list[str]:
     return stages
 
 
-def run_eval_stage(cfg: RunConfig, drafter: str | None = None) -> Path:
-    """`draftsmith eval` with its completion record. evaluate.py does not record its inputs yet: until it does, this
-    wrapper clears the old record, marks the work in progress, and adds the inputs to the manifest eval writes."""
-    from draftsmith.pipeline.evaluate import run_eval
-
-    state = dist_state()
-    directory = RunLayout.of(cfg).eval
-    inputs = stage_inputs(cfg, "eval", drafter=drafter)
-    state.wait_for_everyone()  # every rank has read the old record (`draftsmith run`) before it goes
-    if state.is_main_process:
-        clear(directory)
-        write_progress(directory, inputs)
-    state.wait_for_everyone()
-    out = run_eval(cfg, drafter)
-    if state.is_main_process:
-        record_inputs(directory, inputs)
-    state.wait_for_everyone()
-    return out
-
-
 def run_all(cfg: RunConfig) -> Path:
     from draftsmith.pipeline.collect import run_collect
+    from draftsmith.pipeline.evaluate import run_eval
     from draftsmith.pipeline.export import run_export
     from draftsmith.pipeline.generate import run_generate
     from draftsmith.pipeline.prepare import run_prepare
@@ -117,7 +98,7 @@ def run_all(cfg: RunConfig) -> Path:
             resume = any(found[family].status is Status.RESUMABLE for family in todo)
             run_train(cfg, resume=resume, families=[f for f in todo if f is not None])  # (all are, in train)
         elif stage == "eval":
-            run_eval_stage(cfg)
+            run_eval(cfg)
         elif stage == "export":
             run_export(cfg)
         seconds[stage] = time.perf_counter() - t0

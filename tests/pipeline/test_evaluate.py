@@ -178,7 +178,6 @@ def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_fin
 
     import draftsmith.pipeline.evaluate as evaluate
     from draftsmith.pipeline.completion import stage_completion
-    from draftsmith.pipeline.run import run_eval_stage  # run_eval and its completion record
 
     def _eval_matches(cfg):
         return stage_completion(cfg, "eval").complete
@@ -198,7 +197,7 @@ def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_fin
 
     monkeypatch.setattr(evaluate, "decode", spy)
     with pytest.raises(RuntimeError, match="second temperature"):
-        run_eval_stage(cfg)
+        evaluate.run_eval(cfg)
     # every drafter ran untimed (short) at both temperatures before the first timed decode
     first_timed = next(i for i, c in enumerate(calls) if c[2] == 12)
     assert {(name, t) for name, t, n in calls[:first_timed]} == {
@@ -211,6 +210,6 @@ def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_fin
     assert ev["runs"][0]["overall"]["prompt_lookup"]["prompts"] == 3
     assert not _eval_matches(cfg)
     monkeypatch.setattr(evaluate, "decode", real_decode)
-    run_eval_stage(cfg)
+    evaluate.run_eval(cfg)
     ev = json.loads((cfg.run_path / "eval" / "eval.json").read_text())
     assert ev["complete"] is True and [r["temperature"] for r in ev["runs"]] == [0.0, 1.0] and _eval_matches(cfg)
