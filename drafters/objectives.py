@@ -7,7 +7,7 @@ ranks before dividing (per-step accuracy, expected acceptance, simulated accepta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import torch
 from torch.nn import functional as F
@@ -21,6 +21,30 @@ from draftsmith.drafters.losses import (
     teacher_from_final,
 )
 from draftsmith.drafters.vocab import draft_to_target_ids
+
+
+class TrainBatch(TypedDict):
+    """What every family's objective receives: one padded micro-batch of B sequences of T tokens (a feature source's
+    `load_batch`), plus the epoch it is drawn in. Tensors may be on the CPU; objectives move them."""
+
+    input_ids: torch.Tensor
+    """[B, T] token ids, right-padded."""
+    loss_mask: torch.Tensor
+    """[B, T] 1 where the token is an assistant token (supervised)."""
+    attention_mask: torch.Tensor
+    """[B, T] bool, False on padding."""
+    aux: torch.Tensor
+    """[B, T, n_aux * H] the target's aux-layer features, concatenated in ascending layer order."""
+    final: torch.Tensor
+    """[B, T, H] the target's final normed hidden states (the teacher is its LM head over them)."""
+    ids: list[str]
+    """Record id of each sequence."""
+    domains: list[str]
+    """Domain label of each sequence."""
+    epoch: int
+    """The epoch the batch is drawn in (0 for holdout and calibration batches). An objective that draws at random
+    per batch (DSpark's anchors) seeds from (seed, epoch, sequence id): a new draw every epoch, and a resumed run
+    draws what the uninterrupted one would have."""
 
 
 @dataclass
@@ -40,7 +64,7 @@ class ObjectiveSettings:
 
 
 def eagle3_objective(
-    model, batch: dict[str, Any], head_weight: torch.Tensor, s: ObjectiveSettings, buffers=None
+    model, batch: TrainBatch, head_weight: torch.Tensor, s: ObjectiveSettings, buffers=None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TTT loss over one padded batch. `model` may be a DDP/DeepSpeed wrapper (its forward is the TTT unroll);
     `buffers` is the unwrapped drafter, for its d2t buffer."""
@@ -160,7 +184,7 @@ def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner
     B, T = input_ids.shape
     G = s.block_size
     anchors, anchor_valid = sample_anchors(
-        loss_mask, attention, list(batch["ids"]), s.anchors_per_sequence, s.seed, int(batch.get("epoch", 0))
+        loss_mask, attention, list(batch["ids"]), s.anchors_per_sequence, s.seed, int(batch["epoch"])
     )
     pos = anchors[..., None] + torch.arange(G, device=device)  # slot k of anchor p: teacher at p+k, predicts p+k+1
     # a slot counts while every slot before it does: the chain of a block stops at the end of the assistant turn
@@ -184,7 +208,7 @@ def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner
 
 
 def dspark_objective(
-    model, batch: dict[str, Any], head_weight: torch.Tensor, s: DSparkObjectiveSettings, buffers=None
+    model, batch: TrainBatch, head_weight: torch.Tensor, s: DSparkObjectiveSettings, buffers=None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`ce_weight·CE + tv_weight·TV + bce_weight·BCE` per slot, weighted exp(-k/decay), masked mean over the
     valid slots of every block. TV is against the target's full-vocabulary distribution (at temperature 0:
@@ -233,7 +257,7 @@ def dspark_objective(
 
 
 @torch.no_grad()
-def dspark_calibration_data(model, batch: dict[str, Any], head_weight: torch.Tensor, s: DSparkObjectiveSettings):
+def dspark_calibration_data(model, batch: TrainBatch, head_weight: torch.Tensor, s: DSparkObjectiveSettings):
     """(confidence logits, acceptance probabilities, validity), each [blocks, γ], for fitting the temperatures."""
     logits, conf, teacher, valid, draft_ids = _dspark_forward(model, batch, head_weight, s, model)
     alpha = acceptance(logits, teacher, draft_ids, s.temperature)

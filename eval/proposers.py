@@ -323,7 +323,3 @@ class DSparkProposer(TrainedProposer):
         self._extend(feats[:, :k1], valid, self.pos[:, None] + torch.arange(k1)[None, :])
         self.pos += torch.tensor(list(accepted)) + 1
         self.anchor = torch.tensor(list(news))
-
-
-PROPOSERS = {"eagle3": Eagle3Proposer, "dspark": DSparkProposer}
-"""The proposer of each trained drafter family."""

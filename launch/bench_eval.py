@@ -104,7 +104,7 @@ def main() -> None:
         )
     )
     if args.drafter:
-        from draftsmith.drafters.registry import load_drafter
+        from draftsmith.pipeline.families import load_drafter
 
         d = load_drafter(args.drafter).to(target.device, model.dtype)
         out, t, tau = engine(Eagle3Proposer(d), HFTarget(model, aux_ids=d.config.aux_layer_ids))

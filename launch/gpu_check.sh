@@ -235,7 +235,7 @@ run_dir: $w/run
 model: {target: $w/target, dtype: float32}
 data: {sources: [{path: $w/chat.jsonl}], holdout_fraction: 0.25}
 collect: {aux_layer_ids: [1, 2, 3], dtype: float32}
-train: {drafters: [eagle3], batch_tokens: 160, ttt_steps: 3, draft_vocab_size: 384, max_steps: $steps,
+train: {drafters: [eagle3], batch_tokens: 160, eagle3: {ttt_steps: 3}, draft_vocab_size: 384, max_steps: $steps,
         save_every: $every, eval_every: 1000, log_every: 1, lr: 0.002}
 EOF
     "$PY" -m draftsmith prepare "$w/recipe.yaml" && "$PY" -m draftsmith collect "$w/recipe.yaml" || return 1

@@ -136,11 +136,12 @@ def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repea
 
 
 def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512):
-    """One EAGLE-3 training step on random features, as the trainer runs it (shape, objective, autocast, AdamW)."""
-    from draftsmith.drafters.eagle3 import Eagle3Drafter
-    from draftsmith.drafters.objectives import eagle3_objective
+    """One EAGLE-3 training step on random features, as the trainer runs it (shape, objective, autocast, AdamW). It
+    is a measure of the machine, so it is EAGLE-3's (the family the references were measured with) whatever the
+    recipe trains."""
     from draftsmith.drafters.vocab import select_draft_vocab
-    from draftsmith.pipeline.families import family_settings
+    from draftsmith.pipeline.families import get_family
+    from draftsmith.pipeline.families.base import TargetParts
     from draftsmith.pipeline.precision import resolve_mixed_precision
 
     device = next(model.parameters()).device
@@ -149,10 +150,13 @@ def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512)
     draft_vocab = min(cfg.train.draft_vocab_size, vocab)
     g = torch.Generator().manual_seed(0)
     d2t, t2d = select_draft_vocab(torch.rand(vocab, generator=g), draft_vocab)
-    fs = family_settings(cfg, "eagle3")
+    family = get_family("eagle3")
+    section = cfg.train.section("eagle3")
     embed = model.get_input_embeddings().weight.detach().float().cpu()
-    drafter = Eagle3Drafter.from_target(tc, aux_ids, draft_vocab, embed, d2t, t2d, **fs["shape"]).to(device).train()
     head = model.get_output_embeddings().weight.detach().float()
+    parts = TargetParts(tc, list(aux_ids), draft_vocab, embed, head.cpu(), d2t, t2d)
+    drafter = family.build(parts, section).to(device).train()
+    settings = family.objective_settings(cfg.train, section, cfg.seed)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
     bf16 = resolve_mixed_precision(cfg.train.mixed_precision, device.type == "cuda") == "bf16"
     batch = {
@@ -162,11 +166,13 @@ def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512)
         "attention_mask": torch.ones(1, length, dtype=torch.bool),
         "aux": torch.randn(1, length, len(aux_ids) * hidden, generator=g),
         "final": torch.randn(1, length, hidden, generator=g),
+        "domains": ["probe"],
+        "epoch": 0,
     }
 
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = eagle3_objective(drafter, batch, head, fs["objective"])
+            loss, _ = family.objective(drafter, batch, head, settings)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -7,13 +7,16 @@ uses them to tell a user what a key is for and which keys are allowed.
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from draftsmith.data.config import Section, SourceConfig
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -134,7 +137,7 @@ class GenerateConfig(Section):
     """Base seed; each chunk / synthesis round derives its own, so resumed runs reproduce uninterrupted ones."""
 
 
-def _ascending_layer_ids(value: list[int] | None) -> list[int] | None:
+def ascending_layer_ids(value: list[int] | None) -> list[int] | None:
     """Aux layer ids must be strictly ascending: vLLM and SGLang concatenate the captured layers in layer order,
     so features fused in another order would reach `fc` with permuted columns and no error."""
     if value is not None and any(a >= b for a, b in zip(value, value[1:])):
@@ -153,7 +156,7 @@ class CollectConfig(Section):
     @field_validator("aux_layer_ids")
     @classmethod
     def _ascending(cls, value: list[int] | None) -> list[int] | None:
-        return _ascending_layer_ids(value)
+        return ascending_layer_ids(value)
 
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Storage dtype of captured features."""
@@ -168,84 +171,12 @@ class CollectConfig(Section):
     largest magnitude (bf16 storage rounds to ~0.4%)."""
 
 
-class DSparkSettings(Section):
-    """Settings of the DSpark-style block drafter (train.drafters includes `dspark`)."""
+class FamilySettings(Section):
+    """The fields every `train.<family>` section has: the drafter's shape, the aux layers it fuses and its
+    optimizer overrides. A family's own section subclasses this and adds its settings."""
 
-    block_size: int = Field(7, ge=1)
-    """γ: tokens drafted per block; the block input is [anchor, MASK × (γ−1)] and slot k predicts the token
-    k+1 after the anchor."""
-    num_layers: int = Field(3, ge=1)
-    """Backbone decoder layers (the target's features are injected into every layer's keys/values)."""
-    intermediate_size: int | None = None
-    """Backbone MLP width; None = the target's."""
-    num_attention_heads: int | None = None
-    """Backbone attention heads; None = the target's."""
-    num_key_value_heads: int | None = None
-    """Backbone KV heads; None = the target's."""
-    head_dim: int | None = None
-    """Backbone head size; None = the target's."""
-    aux_layer_ids: list[int] | None = None
-    """The subset of the feature store's aux layers the drafter fuses (HF hidden_states indices, strictly
-    ascending); None = all of them (capture several evenly spaced layers with collect.aux_layer_ids)."""
-
-    @field_validator("aux_layer_ids")
-    @classmethod
-    def _ascending(cls, value: list[int] | None) -> list[int] | None:
-        return _ascending_layer_ids(value)
-
-    markov_rank: int = Field(256, ge=0)
-    """Rank r of the sequential bias W1[x_{k-1}] W2 (0 disables it: a plain parallel block drafter)."""
-    mask_token_id: int | None = None
-    """Token whose (frozen) embedding fills the MASK slots; None = the last id of the target vocabulary."""
-    anchors_per_sequence: int = Field(32, ge=1)
-    """Most anchors (blocks) drawn per training sequence; re-drawn every epoch."""
-    ce_weight: float = Field(0.1, ge=0.0)
-    """Weight of the soft cross-entropy to the teacher."""
-    tv_weight: float = Field(0.9, ge=0.0)
-    """Weight of the total-variation distance to the teacher (1 − acceptance probability)."""
-    bce_weight: float = Field(1.0, ge=0.0)
-    """Weight of the confidence head's BCE toward the exact acceptance probability."""
-    decay: float | None = Field(None, gt=0.0)
-    """Slot k (1-based) is weighted exp(−(k−1)/decay); None = block_size."""
-    sample_markov_inputs: bool = False
-    """Training-time test for the sequential bias: condition slot k on the token the drafter itself sampled at
-    slot k−1 (instead of the data token). A slot is then supervised only while the samples before it equal the
-    data tokens: the teacher is the target's distribution after the data prefix, unknown after any other."""
-    calibrate: bool = True
-    """Fit sequential temperature scaling of the confidences on the holdout split after training."""
-    calibration_bins: int = Field(10, ge=2)
-    """Equal-width bins of the expected calibration error the temperatures minimize."""
-    lr: float | None = Field(None, gt=0.0)
-    """Peak learning rate for this drafter; None = train.lr."""
-    epochs: int | None = Field(None, ge=1)
-    """Epochs for this drafter; None = train.epochs."""
-    max_steps: int | None = Field(None, ge=1)
-    """Optimizer steps for this drafter; None = train.max_steps."""
-
-
-class TrainConfig(Section):
-    drafters: list[Literal["eagle3", "dspark"]] = ["eagle3"]
-    """Drafter families to train, each into RUN_DIR/train/<family>/ (see drafters/registry.py). The settings
-    below are shared; `ttt_steps` ... `head_dim` shape EAGLE-3, the `dspark` section shapes DSpark."""
-    features: Literal["offline", "online"] = "offline"
-    """Read features from the collected store, or compute them with the target inside training."""
-    ttt_steps: int = Field(7, ge=1)
-    """Training-time-test unroll length k."""
-    step_decay: float = Field(0.8, gt=0.0, le=1.0)
-    """Loss weight of TTT step i is step_decay**i."""
-    loss: Literal["ce", "tv", "accept"] = "ce"
-    """Per-position loss: soft cross-entropy to the teacher (forward KL), total variation, or -log acceptance."""
-    temperature: float = Field(1.0, ge=0.0)
-    """Temperature of the teacher and of the acceptance targets (confidence head, simulated τ); 0 = greedy."""
-    confidence_weight: float = Field(1.0, ge=0.0)
-    """Weight of the confidence head's BCE loss."""
-    draft_vocab_size: int = Field(32000, ge=1)
-    """Draft vocabulary size (capped at the target vocabulary)."""
     num_layers: int = Field(1, ge=1)
-    """Drafter decoder layers (SGLang serves only 1)."""
-    init_head_from_target: bool = True
-    """Start EAGLE-3's (trainable) `lm_head` from the target's LM head rows of the draft vocab instead of random
-    (DSpark always uses those rows, frozen)."""
+    """Drafter decoder layers."""
     intermediate_size: int | None = None
     """Drafter MLP width; None = the target's. (The hidden size is always the target's: the embedding is shared.)"""
     num_attention_heads: int | None = None
@@ -254,6 +185,73 @@ class TrainConfig(Section):
     """Drafter KV heads (GQA); None = the target's."""
     head_dim: int | None = None
     """Drafter head size; None = the target's."""
+    aux_layer_ids: list[int] | None = None
+    """The subset of the feature store's aux layers the drafter fuses (HF hidden_states indices, strictly
+    ascending); None = all of them (capture several evenly spaced layers with collect.aux_layer_ids)."""
+    lr: float | None = Field(None, gt=0.0)
+    """Peak learning rate for this drafter; None = train.lr."""
+    epochs: int | None = Field(None, ge=1)
+    """Epochs for this drafter; None = train.epochs."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps for this drafter; None = train.max_steps."""
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _ascending(cls, value: list[int] | None) -> list[int] | None:
+        return ascending_layer_ids(value)
+
+    def shape(self) -> dict[str, Any]:
+        """The constructor's shape arguments common to every family (None: the target's)."""
+        return dict(
+            num_layers=self.num_layers,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+        )
+
+
+# EAGLE-3 settings that were once written flat under train.* (before each family had its own section): still read,
+# with a warning, as train.eagle3.<key>
+_FLAT_EAGLE3_KEYS = (
+    "ttt_steps",
+    "step_decay",
+    "loss",
+    "confidence_weight",
+    "num_layers",
+    "init_head_from_target",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+def _families() -> dict[str, Any]:
+    """The registered drafter families (imported when a config is validated, not when this module is: the
+    families import torch and the models, and reading a config must stay light)."""
+    from draftsmith.pipeline.families import FAMILIES
+
+    return FAMILIES
+
+
+class TrainConfig(Section):
+    """Drafter training. The settings here are shared by every family; each family's own settings (its shape,
+    its objective's knobs) are its section `train.<family>` (e.g. `train.eagle3.ttt_steps`,
+    `train.dspark.block_size`), typed by the family's registered settings class."""
+
+    # unknown keys are accepted by pydantic only to be checked below against the registered families' names
+    model_config = ConfigDict(extra="allow")
+
+    drafters: list[str] = ["eagle3"]
+    """Drafter families to train, each into RUN_DIR/train/<family>/ (pipeline/families/: `eagle3`, `dspark`, and
+    any other registered family), each shaped by its section `train.<family>`."""
+    features: Literal["offline", "online"] = "offline"
+    """Read features from the collected store, or compute them with the target inside training."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Temperature of the teacher and of the acceptance targets (confidence head, simulated τ); 0 = greedy."""
+    draft_vocab_size: int = Field(32000, ge=1)
+    """Draft vocabulary size (capped at the target vocabulary)."""
     batch_tokens: int = Field(4096, ge=16)
     """Padded tokens per micro-batch (per rank)."""
     gradient_accumulation: int = Field(1, ge=1)
@@ -297,16 +295,70 @@ class TrainConfig(Section):
     """Experiment tracker; wandb runs offline when no API key is configured."""
     wandb_project: str = "draftsmith"
     """wandb project name."""
-    dspark: DSparkSettings = DSparkSettings()
-    """The DSpark-style block drafter."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_eagle3_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not any(k in data for k in _FLAT_EAGLE3_KEYS):
+            return data
+        data = dict(data)
+        section = dict(data.get("eagle3") or {})
+        for key in [k for k in _FLAT_EAGLE3_KEYS if k in data]:
+            if key in section:
+                raise ValueError(f"train.{key} and train.eagle3.{key} are both set; keep train.eagle3.{key}")
+            section[key] = data.pop(key)
+            log.warning("train.%s is deprecated: write train.eagle3.%s (read as that)", key, key)
+        data["eagle3"] = section
+        return data
 
     @model_validator(mode="after")
-    def _distinct_drafters(self) -> TrainConfig:
+    def _family_sections(self) -> TrainConfig:
+        """Every family named in `drafters` is registered; every extra key is a registered family's section, typed
+        by its settings class; every family trained gets its section (defaults when not written)."""
+        families = _families()
         if not self.drafters:
             raise ValueError("train.drafters needs at least one drafter family")
         if len(set(self.drafters)) != len(self.drafters):
             raise ValueError(f"train.drafters lists a family twice: {self.drafters}")
+        unknown = [d for d in self.drafters if d not in families]
+        if unknown:
+            raise ValueError(f"train.drafters names unknown families {unknown}; registered: {', '.join(families)}")
+        extra = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
+        errors: list[Any] = []
+        for key, value in list(extra.items()):
+            if key not in families:
+                errors.append({"type": "extra_forbidden", "loc": (key,), "input": value})
+                continue
+            settings = families[key].settings
+            if isinstance(value, settings):
+                continue
+            try:
+                extra[key] = settings.model_validate(value)
+            except ValidationError as exc:
+                errors += [
+                    {"type": e["type"], "loc": (key, *e["loc"]), "input": e["input"], "ctx": e.get("ctx", {})}
+                    for e in exc.errors()
+                ]
+        if errors:
+            # re-raised with the section's name in each location, so describe_errors names train.<family>.<key>
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        for name in self.drafters:
+            extra.setdefault(name, families[name].settings())
         return self
+
+    def section(self, family: str) -> FamilySettings:
+        """The typed `train.<family>` section (its defaults when the config does not write one)."""
+        extra = self.__pydantic_extra__ or {}
+        return extra[family] if family in extra else _families()[family].settings()
+
+    def lr_for(self, family: str) -> float:
+        return self.section(family).lr or self.lr
+
+    def epochs_for(self, family: str) -> int:
+        return self.section(family).epochs or self.epochs
+
+    def max_steps_for(self, family: str) -> int | None:
+        return self.section(family).max_steps or self.max_steps
 
 
 class EvalConfig(Section):
@@ -423,7 +475,7 @@ class RunConfig(Section):
     """On-policy response generation (`generate`)."""
     collect: CollectConfig = CollectConfig()
     """Target feature capture (`collect`)."""
-    train: TrainConfig = TrainConfig()
+    train: TrainConfig = Field(default_factory=TrainConfig)  # a factory: validating one imports the families
     """Drafter training (`train`)."""
     eval: EvalConfig = EvalConfig()
     """Acceptance-length evaluation (`eval`)."""
@@ -484,6 +536,9 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
         if field is None:
             # aliases (e.g. `schema`)
             field = next((f for f in model.model_fields.values() if f.alias == part), None)
+        if field is None and model is TrainConfig and part in _families():
+            model = _families()[part].settings  # a family's section `train.<family>`
+            continue
         if field is None:
             return None
         ann = field.annotation
@@ -509,6 +564,8 @@ def describe_errors(exc: ValidationError, origin: str) -> str:
         if err["type"] == "extra_forbidden":
             owner = _model_at(loc)
             allowed = sorted((f.alias or n) for n, f in owner.model_fields.items()) if owner else []
+            if owner is TrainConfig:
+                allowed += [f"{name} (the {name} family's section)" for name in _families()]
             lines.append(f"  unknown key '{key}'; allowed here: {', '.join(allowed)}")
         else:
             got = err.get("input")

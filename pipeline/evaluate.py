@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,9 @@ from tqdm.auto import tqdm
 from draftsmith.data.artifacts import atomic_write_text, write_manifest
 from draftsmith.data.chat import prompt_ids, stop_token_ids
 from draftsmith.data.sources import iter_conversations
-from draftsmith.drafters.registry import load_drafter
 from draftsmith.eval.engine import TreeSpec, decode
 from draftsmith.eval.metrics import acceptance_stats, calibration
-from draftsmith.eval.proposers import PROPOSERS, NoDraft, PromptLookup
+from draftsmith.eval.proposers import NoDraft, PromptLookup
 from draftsmith.eval.report import markdown_table, plots
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
@@ -31,6 +31,7 @@ from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.dist import dist_state
 from draftsmith.pipeline.errors import StageError
+from draftsmith.pipeline.families import get_family, load_drafter
 from draftsmith.pipeline.inputs import trained_drafter
 from draftsmith.pipeline.layout import RunLayout
 from draftsmith.pipeline.target import load_target
@@ -81,15 +82,62 @@ def _proposers(cfg: RunConfig, target, drafter: str | None, tree: TreeSpec | Non
             d = load_drafter(path).to(target.device, target.model.dtype)
         except (ValueError, KeyError, OSError) as exc:
             raise StageError(f"cannot load the drafter in {path}: {exc}") from None
-        if d.name != "eagle3" and tree is not None:
-            raise StageError(f"the {d.name} drafter drafts chains (one block per round): leave eval.tree_depth unset")
-        kwargs = {"draft_length": e.block_draft_length} if d.name == "dspark" else {}
-        proposers[d.name] = PROPOSERS[d.name](d, e.confidence_threshold, **kwargs)
+        family = get_family(d.name)
+        if tree is not None and not family.trees:
+            raise StageError(f"the {d.name} drafter drafts no trees: leave eval.tree_depth unset")
+        proposers[d.name] = family.proposer(d, e)
         info[d.name] = {"path": str(path), "family": d.name, "aux_layer_ids": d.config.aux_layer_ids}
         calib = path / "calibration.json"
         if calib.is_file():
             info[d.name]["calibration"] = json.loads(calib.read_text())
     return proposers, info
+
+
+@dataclass
+class _Decoder:
+    """Runs one batch of prompts with one proposer through the engine: what every call of `run_eval` shares."""
+
+    runners: dict[str, HFTarget]
+    proposers: dict[str, Any]
+    gammas: dict[str, int]
+    stops: Any
+    tree: TreeSpec | None
+    seed: int
+    device: Any
+
+    def run(self, batch: list[dict[str, Any]], name: str, params: SamplingParams, max_new_tokens: int):
+        # one generator per prompt, seeded by the prompt and the temperature: a prompt's sampled output does not
+        # depend on its batch, its rank or the rank count. On the target's device (CUDA refuses a CPU generator).
+        gens = [make_generator(self.device, derive_seed(self.seed, p["id"], params.temperature)) for p in batch]
+        proposer = self.proposers[name]
+        return decode(
+            self.runners[name],
+            proposer,
+            [p["ids"] for p in batch],
+            params,
+            self.gammas[name],
+            max_new_tokens,
+            self.stops,
+            gens,
+            tree=self.tree if hasattr(proposer, "propose_tree") else None,
+        )
+
+    def temperature(self, mine: list[list[dict[str, Any]]], params: SamplingParams, max_new_tokens: int, desc: str):
+        """Every batch of this rank with every proposer (plain decoding first): results per domain and proposer, and
+        at T = 0 how many prompts each proposer's output differs from plain decoding's on (exactness: none)."""
+        by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        diverged: Counter = Counter()
+        bar = tqdm(total=sum(len(b) for b in mine), desc=desc, unit="prompt")
+        for batch in mine:
+            plain = None
+            for name in self.proposers:
+                results = self.run(batch, name, params, max_new_tokens)
+                by[batch[0]["domain"]][name].extend(results)
+                plain = plain or [r.tokens for r in results]  # "none" runs first
+                diverged[name] += sum(r.tokens != t for r, t in zip(results, plain)) if params.greedy else 0
+            bar.update(len(batch))
+        bar.close()
+        return by, diverged
 
 
 def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
@@ -104,35 +152,23 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     state.wait_for_everyone()
     target = load_target(cfg.model)
     model, tok = target.model, target.tokenizer
-    stops = stop_token_ids(tok, model)
     if e.tree_depth is not None and e.batch_size > 1:
         raise StageError("eval.tree_depth (tree drafting) runs one prompt at a time: set eval.batch_size=1")
     tree = TreeSpec(e.tree_depth, e.tree_top_k, e.tree_nodes) if e.tree_depth else None
     proposers, drafter_info = _proposers(cfg, target, drafter, tree)
-    runners = {name: HFTarget(model, p.aux_ids, tok.pad_token_id) for name, p in proposers.items()}
-    gammas = {name: getattr(p, "length", None) or e.draft_length for name, p in proposers.items()}
+    decoder = _Decoder(
+        runners={name: HFTarget(model, p.aux_ids, tok.pad_token_id) for name, p in proposers.items()},
+        proposers=proposers,
+        gammas={name: getattr(p, "length", None) or e.draft_length for name, p in proposers.items()},
+        stops=stop_token_ids(tok, model),
+        tree=tree,
+        seed=e.seed,
+        device=target.device,
+    )
     prompts = eval_prompts(cfg, tok)
     log.info("eval: %d prompts, drafters %s, temperatures %s", len(prompts), list(proposers), e.temperatures)
     if state.num_processes > 1:
         log.info("eval: %d ranks, each decoding every %d-th batch of prompts", state.num_processes, state.num_processes)
-
-    def run_batch(batch, name, params, max_new_tokens):
-        # one generator per prompt, seeded by the prompt and the temperature: a prompt's sampled output does not
-        # depend on its batch, its rank or the rank count. On the target's device (CUDA refuses a CPU generator).
-        gens = [make_generator(target.device, derive_seed(e.seed, p["id"], params.temperature)) for p in batch]
-        proposer = proposers[name]
-        return decode(
-            runners[name],
-            proposer,
-            [p["ids"] for p in batch],
-            params,
-            gammas[name],
-            max_new_tokens,
-            stops,
-            gens,
-            tree=tree if hasattr(proposer, "propose_tree") else None,
-        )
-
     by_domain: dict[str, list] = defaultdict(list)
     for p in prompts:
         by_domain[p["domain"]].append(p)
@@ -142,43 +178,29 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     # whichever drafter runs first (plain decoding) absorbs them and every speedup is biased upward.
     for name in proposers:
         for temperature in sorted({0.0, *e.temperatures}):
-            run_batch(batches[0], name, SamplingParams(temperature, e.top_p, e.top_k), min(8, e.max_new_tokens))
+            decoder.run(batches[0], name, SamplingParams(temperature, e.top_p, e.top_k), min(8, e.max_new_tokens))
 
     settings = {
         **e.model_dump(mode="json"),
         "device": str(target.device),
         "dtype": str(model.dtype),
-        "draft_lengths": gammas,
+        "draft_lengths": decoder.gammas,
         "prompts": len(prompts),
         "processes": state.num_processes,
     }
-    ev: dict[str, Any] = {
-        "target": target.identity,
-        "drafters": drafter_info,
-        "settings": settings,
-        "complete": False,
-        "runs": [],
-    }
+    ev: dict[str, Any] = {"target": target.identity, "drafters": drafter_info, "settings": settings, "complete": False}
+    ev["runs"] = []
+    rank = f" (rank {state.process_index})" if state.num_processes > 1 else ""
     for temperature in e.temperatures:
         params = SamplingParams(temperature, e.top_p, e.top_k)
-        by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        diverged: Counter = Counter()
-        rank = f" (rank {state.process_index})" if state.num_processes > 1 else ""
-        bar = tqdm(total=sum(len(b) for b in mine), desc=f"eval T={temperature}{rank}", unit="prompt")
-        for batch in mine:
-            plain = None
-            for name in proposers:
-                results = run_batch(batch, name, params, e.max_new_tokens)
-                by[batch[0]["domain"]][name].extend(results)
-                plain = plain or [r.tokens for r in results]  # "none" runs first
-                diverged[name] += sum(r.tokens != t for r, t in zip(results, plain)) if params.greedy else 0
-            bar.update(len(batch))
-        bar.close()
+        by, diverged = decoder.temperature(mine, params, e.max_new_tokens, f"eval T={temperature}{rank}")
         if state.num_processes > 1:
             by, diverged = _gather_results(by, diverged)
             if not state.is_main_process:
                 continue
-        ev["runs"].append(_summary(temperature, by, diverged, gammas, list(proposers), len(prompts), params.greedy))
+        ev["runs"].append(
+            _summary(temperature, by, diverged, decoder.gammas, list(proposers), len(prompts), params.greedy)
+        )
         # each temperature's results are on disk as soon as they exist (marked incomplete until the last one):
         # a failure at a later temperature loses nothing already measured
         out.mkdir(parents=True, exist_ok=True)

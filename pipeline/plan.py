@@ -187,28 +187,29 @@ def dspark_params(d: DrafterShape) -> ParamCount:
 
 def drafter_shapes(cfg: RunConfig, t: TargetShape) -> list[DrafterShape]:
     train = cfg.train
-    families = list(getattr(train, "drafters", None) or [getattr(train, "drafter", "eagle3")])
+    families = list(train.drafters)
     n_aux = len(cfg.collect.aux_layer_ids) if cfg.collect.aux_layer_ids is not None else 3
     D = min(train.draft_vocab_size, t.vocab)
     shapes = []
     for family in families:
+        s: Any = train.section(family)  # the family's own settings class (Eagle3Settings, DSparkSettings)
         if family == "eagle3":
             shapes.append(
                 DrafterShape(
                     "eagle3",
                     t.hidden,
-                    train.num_layers,
-                    train.num_attention_heads or t.heads,
-                    train.num_key_value_heads or t.kv_heads,
-                    train.head_dim or t.head_dim,
-                    train.intermediate_size or t.intermediate,
-                    n_aux,
+                    s.num_layers,
+                    s.num_attention_heads or t.heads,
+                    s.num_key_value_heads or t.kv_heads,
+                    s.head_dim or t.head_dim,
+                    s.intermediate_size or t.intermediate,
+                    len(s.aux_layer_ids) if s.aux_layer_ids else n_aux,
                     D,
                     t.vocab,
                 )
             )
         elif family == "dspark":
-            ds = train.dspark
+            ds = s
             shapes.append(
                 DrafterShape(
                     "dspark",
@@ -227,7 +228,8 @@ def drafter_shapes(cfg: RunConfig, t: TargetShape) -> list[DrafterShape]:
                 )
             )
         else:
-            raise PlanError(f"no plan formulas for drafter family {family!r}")
+            # the formulas below are per architecture: a family they do not know gets no guessed figures
+            raise PlanError(f"no plan formulas for drafter family {family!r} (plan knows eagle3 and dspark)")
     return shapes
 
 
@@ -550,14 +552,15 @@ def make_plan(
     for d in drafter_shapes(cfg, t):
         p = drafter_params(d)
         memory = state_bytes(p, lay)
+        s: Any = train.section(d.family)
         if d.family == "eagle3":
             memory["activations (TTT unroll)"] = eagle3_activation_bytes(
-                d, train.ttt_steps, train.batch_tokens, seq, feature_bytes, act, train.gradient_checkpointing
+                d, s.ttt_steps, train.batch_tokens, seq, feature_bytes, act, train.gradient_checkpointing
             )
             memory["teacher lm_head (fp32)"] = 4.0 * t.vocab * t.hidden  # fp32: the teacher's logits are never rounded
             # fp32 logits and one fp32 temporary (logits / T for the normalizer)
             memory["teacher logits (one chunk)"] = float(min(TEACHER_CHUNK, train.batch_tokens) * t.vocab * 8)
-            flops = eagle3_flops(d, p, t, train.ttt_steps, mean_len)
+            flops = eagle3_flops(d, p, t, s.ttt_steps, mean_len)
         else:
             memory["activations (anchor blocks)"] = dspark_activation_bytes(
                 d, train.batch_tokens, seq, feature_bytes, act
@@ -570,8 +573,7 @@ def make_plan(
         per_token = sum(flops.values())
         gpu_hours = None
         if total is not None:
-            epochs = getattr(train.dspark, "epochs", None) if d.family == "dspark" else None
-            epochs = epochs or train.epochs
+            epochs = train.epochs_for(d.family)
             gpu_hours = total * epochs * per_token / (gpu_tflops * 1e12 * mfu) / 3600
         plan.drafters.append(
             {

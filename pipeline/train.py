@@ -8,8 +8,9 @@ exactly the batches the uninterrupted one would have.
 
 Output: RUN_DIR/train/<family>/ for each family in train.drafters, with checkpoints/step-N (accelerate
 state + drafter), best/ (highest holdout simulated acceptance length), final/ and a manifest.json once
-training completed. A drafter with a confidence head that is calibrated after training (DSpark) gets its
-fitted temperatures written into best/ and final/ with a calibration.json (holdout ECE before/after).
+training completed. What differs per family (its section `train.<family>`, how the drafter is built, its
+objective, work after training such as DSpark's confidence calibration) comes from its `Family`
+(pipeline/families/); the loop hands each objective a `TrainBatch`.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ from tqdm.auto import tqdm
 from draftsmith.data.artifacts import atomic_write_text, write_manifest
 from draftsmith.data.feature_store import FeatureStore
 from draftsmith.data.features import FeatureSource, OnlineFeatureSource, plan_batches, resolve_aux_ids
-from draftsmith.drafters.objectives import summarize
-from draftsmith.drafters.registry import get_family
+from draftsmith.drafters.objectives import TrainBatch, summarize
 from draftsmith.drafters.vocab import select_draft_vocab
 from draftsmith.pipeline.completion import Status, completion, payload_files, stage_inputs, write_progress
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.errors import StageError
-from draftsmith.pipeline.families import family_settings
+from draftsmith.pipeline.families import get_family
+from draftsmith.pipeline.families.base import TargetParts
 from draftsmith.pipeline.inputs import input_records
 from draftsmith.pipeline.layout import MANIFEST, RunLayout
 from draftsmith.pipeline.precision import resolve_mixed_precision
@@ -187,8 +188,10 @@ class Trainer:
     def __init__(self, cfg: RunConfig, family: str = "eagle3"):
         self.cfg = cfg
         t = cfg.train
-        fs = family_settings(cfg, family)
-        self.epochs, self.max_steps = fs["epochs"], fs["max_steps"]
+        self.family = get_family(family)
+        self.section = t.section(family)
+        self.temperature = t.temperature
+        self.epochs, self.max_steps = t.epochs_for(family), t.max_steps_for(family)
         self.dirs = RunLayout.of(cfg).train(family)
         self.out = self.dirs.root
         self.accelerator = _accelerator(cfg, self.out)
@@ -199,64 +202,29 @@ class Trainer:
         self.inputs = stage_inputs(cfg, "train", identity=self.identity)  # what the manifest records
         target_config = load_config_of(cfg.model, spec)
         self.source, self.aux_ids, target_model = feature_source(cfg, self.identity, target_config)
-        if fs["aux"] is not None and list(fs["aux"]) != list(self.aux_ids):
-            self.source = AuxSubset(self.source, list(self.aux_ids), list(fs["aux"]), target_config.hidden_size)
-            self.aux_ids = list(fs["aux"])
-        if not any(m["split"] == "train" for m in self.source.meta):
-            raise StageError("the training split is empty (no records with assistant tokens in split 'train')")
-        too_long = [(m["id"], n) for m, n in zip(self.source.meta, self.source.lengths) if n > t.batch_tokens]
-        if too_long:
-            raise StageError(
-                f"{len(too_long)} samples do not fit in one batch of train.batch_tokens={t.batch_tokens} tokens "
-                f"(e.g. {too_long[0][0]}: {too_long[0][1]} tokens); raise train.batch_tokens or lower data.max_length"
-            )
+        wanted = self.section.aux_layer_ids
+        if wanted is not None and list(wanted) != list(self.aux_ids):
+            self.source = AuxSubset(self.source, list(self.aux_ids), list(wanted), target_config.hidden_size)
+            self.aux_ids = list(wanted)
+        self._check_source()
         _, head, embed = load_head_weights(cfg.model, model=target_model)
-        V = head.shape[0]
-        if t.draft_vocab_size > V:
-            log.warning(
-                "train.draft_vocab_size=%d is larger than the target vocabulary (%d): using %d",
-                t.draft_vocab_size,
-                V,
-                V,
-            )
-        self.draft_vocab_size = min(t.draft_vocab_size, V)
-        vocab_file = self.dirs.vocab
-        resuming = vocab_file.is_file()  # resume: the vocabulary is part of the run
-        acc.wait_for_everyone()  # every rank has looked before the main process may write it
-        if resuming:
-            from safetensors.torch import load_file
-
-            vocab = load_file(str(vocab_file))
-            d2t, t2d = vocab["d2t"], vocab["t2d"]
-        else:
-            # every rank computes the same vocabulary from the same counts; only the main process writes it, whole
-            d2t, t2d = select_draft_vocab(token_counts(self.source, V), self.draft_vocab_size)
-            if acc.is_main_process:
-                from safetensors.torch import save_file
-
-                self.out.mkdir(parents=True, exist_ok=True)
-                partial = vocab_file.with_name(f".{vocab_file.name}.partial")
-                save_file({"d2t": d2t, "t2d": t2d}, str(partial))
-                partial.replace(vocab_file)
-        self.family = get_family(family)
+        d2t, t2d = self._draft_vocab(head.shape[0])
         torch.manual_seed(cfg.seed)
-        extra = {"head_weight": head} if family == "dspark" or t.init_head_from_target else {}
+        parts = TargetParts(target_config, list(self.aux_ids), self.draft_vocab_size, embed, head, d2t, t2d)
         try:
-            model = self.family.model_class.from_target(
-                target_config, self.aux_ids, self.draft_vocab_size, embed, d2t, t2d, **extra, **fs["shape"]
-            )
+            model = self.family.build(parts, self.section)
         except ValueError as exc:
             raise StageError(f"train ({family}): {exc}") from None
         # the teacher (the target's lm_head over the final states) is computed in fp32 under any mixed precision
         self.head_weight = head.to(self.device, torch.float32)
-        self.settings = fs["objective"]
+        self.settings = self.family.objective_settings(t, self.section, cfg.seed)
         # every rank gets the same number of batches (plan_batches), so this check agrees on all of them
         self.batches_per_epoch = len(plan_epoch(self.source, cfg, 0, acc.process_index, acc.num_processes))
         self._check_steps(self.batches_per_epoch)
         steps_per_epoch = self.batches_per_epoch // t.gradient_accumulation
         self.total_steps = steps_per_epoch * self.epochs if self.max_steps is None else self.max_steps
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=fs["lr"], weight_decay=t.weight_decay, betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(params, lr=t.lr_for(family), weight_decay=t.weight_decay, betas=(0.9, 0.95))
         from transformers import get_cosine_schedule_with_warmup
 
         # accelerate steps the scheduler once per process per optimizer step; it expects totals x num_processes
@@ -269,6 +237,47 @@ class Trainer:
         self.batch_in_epoch = 0
         self.best = -math.inf
         self.history: list[dict[str, Any]] = []
+
+    def _check_source(self) -> None:
+        """Refuse a feature source with nothing to train on, or with a sequence no batch can hold."""
+        limit = self.cfg.train.batch_tokens
+        if not any(m["split"] == "train" for m in self.source.meta):
+            raise StageError("the training split is empty (no records with assistant tokens in split 'train')")
+        too_long = [(m["id"], n) for m, n in zip(self.source.meta, self.source.lengths) if n > limit]
+        if too_long:
+            raise StageError(
+                f"{len(too_long)} samples do not fit in one batch of train.batch_tokens={limit} tokens "
+                f"(e.g. {too_long[0][0]}: {too_long[0][1]} tokens); raise train.batch_tokens or lower data.max_length"
+            )
+
+    def _draft_vocab(self, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d2t, t2d) of the draft vocabulary: the run's own when resuming, else the most frequent assistant tokens,
+        written by the main process (every rank computes the same one from the same counts)."""
+        wanted = self.cfg.train.draft_vocab_size
+        if wanted > V:
+            log.warning("train.draft_vocab_size=%d is larger than the target vocabulary (%d): using %d", wanted, V, V)
+        self.draft_vocab_size = min(wanted, V)
+        vocab_file, acc = self.dirs.vocab, self.accelerator
+        resuming = vocab_file.is_file()  # resume: the vocabulary is part of the run
+        acc.wait_for_everyone()  # every rank has looked before the main process may write it
+        if resuming:
+            from safetensors.torch import load_file
+
+            vocab = load_file(str(vocab_file))
+            return vocab["d2t"], vocab["t2d"]
+        d2t, t2d = select_draft_vocab(token_counts(self.source, V), self.draft_vocab_size)
+        if acc.is_main_process:
+            from safetensors.torch import save_file
+
+            self.out.mkdir(parents=True, exist_ok=True)
+            partial = vocab_file.with_name(f".{vocab_file.name}.partial")
+            save_file({"d2t": d2t, "t2d": t2d}, str(partial))
+            partial.replace(vocab_file)
+        return d2t, t2d
+
+    def batch(self, indices: list[int], epoch: int) -> TrainBatch:
+        """The micro-batch of these sequences, as every family's objective takes it."""
+        return {**self.source.load_batch(indices), "epoch": epoch}  # type: ignore[typeddict-item]
 
     def _check_steps(self, batches: int) -> None:
         """Refuse an epoch whose batches cannot make one optimizer step (it would loop forever under max_steps,
@@ -356,8 +365,7 @@ class Trainer:
             batches = batches[: self.cfg.train.holdout_batches]
         totals: dict[str, float] = {}
         for indices in batches:
-            batch = self.source.load_batch(indices)
-            batch["epoch"] = 0  # the holdout is judged on the same anchors every time
+            batch = self.batch(indices, epoch=0)  # the holdout is judged on the same anchors every time
             with acc.autocast():
                 _, stats = self.family.objective(self.model, batch, self.head_weight, self.settings, self.unwrapped())
             _add(totals, stats)
@@ -391,8 +399,7 @@ class Trainer:
             usable = len(batches) // t.gradient_accumulation * t.gradient_accumulation
             while self.batch_in_epoch < usable:
                 indices = batches[self.batch_in_epoch]
-                batch = self.source.load_batch(indices)
-                batch["epoch"] = self.epoch  # families that sample per batch (DSpark anchors) re-draw per epoch
+                batch = self.batch(indices, self.epoch)
                 with acc.accumulate(self.model):
                     with acc.autocast():
                         loss, stats = self.family.objective(
@@ -488,68 +495,22 @@ class Trainer:
                 atomic_write_text(best / "metrics.json", json.dumps({"step": self.step, **s}, indent=2))
             acc.wait_for_everyone()
 
-    @torch.no_grad()
-    def calibrate(self, directory: Path) -> None:
-        """Fit the confidence temperatures of the drafter in `directory` on the whole holdout split and write them
-        into its config. Every rank computes the confidences of its share of the holdout batches (a long
-        calibration on one rank would leave the others waiting in a collective until the NCCL timeout); the main
-        process gathers them, fits and writes."""
-        from accelerate.utils import gather_object
-
-        from draftsmith.drafters.calibration import fit_sequential_temperatures, survival_ece
-        from draftsmith.drafters.objectives import dspark_calibration_data
-        from draftsmith.drafters.registry import load_drafter
-
+    def holdout_share(self):
+        """This rank's share of the whole holdout split (planned for one rank, dealt out round robin: every
+        sequence to exactly one rank), as batches of epoch 0. For a family's `after_training`."""
         acc = self.accelerator
-        model = load_drafter(directory).to(self.device).eval()  # complete on disk under every ZeRO stage
-        head = self.head_weight.float()
-        holdout = plan_epoch(self.source, self.cfg, 0, 0, 1, split="holdout")  # all of it, none left out
-        parts = []
+        holdout = plan_epoch(self.source, self.cfg, 0, 0, 1, split="holdout")
         for indices in holdout[acc.process_index :: acc.num_processes]:
-            batch = self.source.load_batch(indices)
-            parts.append(tuple(t.cpu() for t in dspark_calibration_data(model, batch, head, self.settings)))
-        if acc.num_processes > 1:
-            parts = gather_object(parts)
-        if not acc.is_main_process:
-            return
-        if not parts or sum(p[0].shape[0] for p in parts) == 0:
-            log.warning("train: no holdout blocks to calibrate %s on; confidences left uncalibrated", directory)
-            return
-        conf, alpha, valid = (torch.cat([p[i] for p in parts]) for i in range(3))
-        bins = self.cfg.train.dspark.calibration_bins
-        before = survival_ece(conf, alpha, valid, [1.0] * conf.shape[1], bins)
-        temps = fit_sequential_temperatures(conf, alpha, valid, bins)
-        after = survival_ece(conf, alpha, valid, temps, bins)
-        model.config.confidence_temperatures = temps
-        cfg_path = directory / "config.json"
-        raw = json.loads(cfg_path.read_text())
-        raw["confidence_temperatures"] = temps
-        atomic_write_text(cfg_path, json.dumps(raw, indent=2))
-        report = {
-            "blocks": int(conf.shape[0]),
-            "temperatures": temps,
-            "survival_ece_before": before,
-            "survival_ece_after": after,
-            "bins": bins,
-            "temperature": self.cfg.train.temperature,
-            "ranks": acc.num_processes,
-        }
-        atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2))
-        console.print(
-            f"calibrated {directory.name}/: survival ECE by position {[f'{e:.3f}' for e in before]} -> "
-            f"{[f'{e:.3f}' for e in after]} ({conf.shape[0]} holdout blocks)",
-            highlight=False,
-            markup=False,
-        )
+            yield self.batch(indices, epoch=0)
 
     def _finish(self, seconds: float) -> Path:
         acc = self.accelerator
         self.save_drafter(self.dirs.final)
         acc.wait_for_everyone()  # best/ and final/ are on disk before any rank reads them
-        if self.family.name == "dspark" and self.cfg.train.dspark.calibrate:
+        if self.family.after_training is not None:
             for d in (self.dirs.best, self.dirs.final):
                 if (d / "config.json").is_file():  # the same answer on every rank: the files exist or not
-                    self.calibrate(d)
+                    self.family.after_training(self, d)
         acc.wait_for_everyone()
         if acc.is_main_process:
             write_manifest(

@@ -154,6 +154,8 @@ def _batch(B=2, T=20, seed=0):
         "aux": torch.randn(B, T, 3 * HT, generator=g),
         "final": torch.randn(B, T, H, generator=g),
         "ids": [f"s{i}" for i in range(B)],
+        "domains": ["test"] * B,
+        "epoch": 0,
     }
 
 

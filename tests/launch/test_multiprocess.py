@@ -73,7 +73,7 @@ def workspace(tmp_path_factory, write_chats):
         "collect": {"aux_layer_ids": [1, 2, 3], "dtype": "float32"},
         "train": {
             "batch_tokens": 160,
-            "ttt_steps": 3,
+            "eagle3": {"ttt_steps": 3},
             "draft_vocab_size": 384,
             "max_steps": STEPS,
             "lr": 2e-3,

@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "draftsmith.pipeline.errors",
             "draftsmith.pipeline.precision",
             "draftsmith.pipeline.target",
-            "draftsmith.pipeline.families",
+            "draftsmith.pipeline.families.*",  # the drafter families: one module each, registered in __init__
             "draftsmith.pipeline.inputs",
             "draftsmith.pipeline.layout",
             "draftsmith.pipeline.completion",

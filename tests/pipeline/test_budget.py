@@ -118,7 +118,7 @@ def test_a_budgeted_run_sizes_itself_records_the_choice_and_reuses_it(tmp_path, 
 model: {{target: {tiny_target_dir}}}
 generate: {{synthesize: 40, max_new_tokens: 16, batch_size: 8, chunk_size: 8, synth: {{round_size: 16, max_new_tokens: 10, min_chars: 3}}}}
 collect: {{aux_layer_ids: [1, 2], dtype: float32}}
-train: {{drafters: [eagle3], ttt_steps: 2, draft_vocab_size: 384, batch_tokens: 256, epochs: 2}}
+train: {{drafters: [eagle3], eagle3: {{ttt_steps: 2}}, draft_vocab_size: 384, batch_tokens: 256, epochs: 2}}
 eval: {{sources: [{{path: {prompts}, domain_field: topic}}], temperatures: [0.0], max_new_tokens: 8, max_prompts_per_domain: 3}}
 export: {{formats: [vllm], dtype: float32}}
 budget:

@@ -77,7 +77,15 @@ def test_malformed_overrides_and_files(tmp_path):
 
 
 def test_saved_config_round_trips(tmp_path):
-    cfg = load_config(None, ["generate.temperature=0.5", "data.sources=[{path: a.jsonl, schema: conversations}]"])
+    cfg = load_config(
+        None,
+        [
+            "generate.temperature=0.5",
+            "data.sources=[{path: a.jsonl, schema: conversations}]",
+            "train.drafters=[eagle3, dspark]",
+            "train.dspark.block_size=4",
+        ],
+    )
     save_config(cfg, tmp_path / "config.yaml")
     again = load_config(tmp_path / "config.yaml")
     assert again.dump() == cfg.dump()
@@ -94,6 +102,10 @@ def test_every_field_is_documented():
                     walk(sub, f"{prefix}{name}.")
 
     walk(RunConfig)
+    from draftsmith.pipeline.families import FAMILIES
+
+    for name, family in FAMILIES.items():  # the sections `train.<family>`, typed by the registry
+        walk(family.settings, f"train.{name}.")
 
 
 @pytest.mark.parametrize("override, key", [("train.lr=-1", "train.lr"), ("eval.temperatures=[x]", "eval.temperatures")])
@@ -106,3 +118,25 @@ def test_a_bad_value_is_explained_by_its_fields_description(override, key):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert f"({key}: {description.split('. ')[0].rstrip('.')}" in " ".join(str(info.value).split())
+
+
+def test_family_sections_are_typed_and_flat_eagle3_keys_still_read(caplog):
+    """Each family's settings are its section `train.<family>`; the EAGLE-3 keys that were once flat under train.*
+    are read as train.eagle3.* with a warning, and refused when both spellings are set."""
+    from draftsmith.pipeline.families.dspark import DSparkSettings
+    from draftsmith.pipeline.families.eagle3 import Eagle3Settings
+
+    cfg = load_config(
+        None, ["train.drafters=[eagle3, dspark]", "train.eagle3.ttt_steps=3", "train.dspark.num_layers=2"]
+    )
+    assert isinstance(cfg.train.section("eagle3"), Eagle3Settings) and cfg.train.section("eagle3").ttt_steps == 3
+    assert isinstance(cfg.train.section("dspark"), DSparkSettings) and cfg.train.section("dspark").num_layers == 2
+    assert cfg.train.section("eagle3").num_layers == 1  # each family its own defaults
+    with caplog.at_level("WARNING"):
+        old = load_config(None, ["train.ttt_steps=3", "train.num_layers=2"])
+    assert old.train.section("eagle3").ttt_steps == 3 and old.train.section("eagle3").num_layers == 2
+    assert "train.ttt_steps is deprecated: write train.eagle3.ttt_steps" in caplog.text
+    with pytest.raises(ConfigError, match="train.ttt_steps and train.eagle3.ttt_steps are both set"):
+        load_config(None, ["train.ttt_steps=3", "train.eagle3.ttt_steps=4"])
+    with pytest.raises(ConfigError, match="unknown families"):
+        load_config(None, ["train.drafters=[medusa]"])

@@ -40,7 +40,7 @@ def test_eval_stage(tmp_path):
         f"model: {{target: {target}, dtype: float64}}\n"
         f"data: {{sources: [{{path: {data}, domain_field: category}}], holdout_fraction: 0.3}}\n"
         "collect: {aux_layer_ids: [1, 2, 4], dtype: float32}\n"
-        "train: {max_steps: 3, batch_tokens: 256, draft_vocab_size: 300, ttt_steps: 2, eval_every: 1000}\n"
+        "train: {max_steps: 3, batch_tokens: 256, draft_vocab_size: 300, eagle3: {ttt_steps: 2}, eval_every: 1000}\n"
         f"eval: {{sources: [{{path: {data}, domain_field: category}}], max_new_tokens: 12, draft_length: 3}}\n"
     )
     cfg = load_config(recipe, [f"run_dir={tmp_path / 'run'}"])

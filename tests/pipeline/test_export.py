@@ -12,7 +12,8 @@ from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.vocab import draft_to_target_ids, select_draft_vocab
 from draftsmith.pipeline.config import load_config
 from draftsmith.pipeline.errors import StageError
-from draftsmith.pipeline.export import import_drafter, run_export, sglang_refusal
+from draftsmith.pipeline.export import import_drafter, run_export
+from draftsmith.pipeline.families.eagle3 import sglang_refusal
 from tests.tiny import save_tiny_target
 
 
@@ -213,7 +214,7 @@ def test_round_trip_is_bit_exact(target4, tmp_path, fmt, dtype, num_layers):
 def test_import_refuses_non_exports(tmp_path, target4):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(StageError, match="not an EAGLE-3 or DSpark export"):
+    with pytest.raises(StageError, match="no drafter family reads this layout"):
         import_drafter(tmp_path / "x")
     _, path = _drafter(target4, tmp_path)
     out = _export(target4, tmp_path, path)

@@ -41,7 +41,7 @@ generate: {{synthesize: 8, max_new_tokens: 48, batch_size: 16, chunk_size: 8,
             synth: {{round_size: 32, max_new_tokens: 12, min_chars: 3}}}}
 data: {{sources: [{{path: {prompts}, domain_field: topic}}], holdout_fraction: 0.2}}
 collect: {{aux_layer_ids: [1, 2, 3], dtype: float32}}
-train: {{drafters: [eagle3, dspark], ttt_steps: 3, draft_vocab_size: 384, batch_tokens: 512, lr: 0.005, epochs: 40, eval_every: 50,
+train: {{drafters: [eagle3, dspark], eagle3: {{ttt_steps: 3}}, draft_vocab_size: 384, batch_tokens: 512, lr: 0.005, epochs: 40, eval_every: 50,
         log_every: 25, dspark: {{block_size: 4, num_layers: 1, markov_rank: 16, anchors_per_sequence: 16}}}}
 eval: {{sources: [{{path: {prompts}, domain_field: topic}}], temperatures: [0.0], max_new_tokens: 32, draft_length: 3, batch_size: 1}}
 export: {{dtype: float32}}

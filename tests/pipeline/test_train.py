@@ -68,7 +68,7 @@ def workspace(tmp_path_factory, write_chats):
         "collect.aux_layer_ids=[1,2,3]",
         "collect.dtype=float32",
         "train.batch_tokens=160",
-        "train.ttt_steps=3",
+        "train.eagle3.ttt_steps=3",
         "train.log_every=1",
         "train.eval_every=1000",
         "train.save_every=1000",
@@ -109,13 +109,13 @@ def test_overfits_a_small_set(workspace, tmp_path, write_chats):
             f"data.sources=[{{path: {data}}}]",
             "data.holdout_fraction=0",
             "train.batch_tokens=512",
-            "train.ttt_steps=2",
+            "train.eagle3.ttt_steps=2",
             "train.lr=5e-3",
             "train.epochs=900",
             "train.log_every=50",
             "train.temperature=0",
             # a random tiny target's head rows are no help; a random head overfits this set fastest
-            "train.init_head_from_target=false",
+            "train.eagle3.init_head_from_target=false",
         ],
     )
     run_prepare(cfg)

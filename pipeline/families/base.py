@@ -1,0 +1,145 @@
+"""What a drafter family is, to the stages: one `Family` record per family, holding everything that differs between
+families. The trainer, eval, export and import only ever go through it, so a family is one module (its model and
+objective live in `drafters/`, its proposer in `eval/`) plus one `register(Family(...))` call.
+
+The stages call, in order:
+- train: `settings` validates the `train.<name>` section; `build` makes the drafter from the target;
+  `objective_settings` turns the config into what `objective` takes; `objective(model, batch, head, settings,
+  unwrapped)` is the loss of one `TrainBatch`; `after_training` (optional) runs on best/ and final/ once training
+  ended, e.g. to calibrate confidences on the holdout split.
+- eval: `proposer(drafter, eval_config)` is what the decoding engine drafts with; `trees` says whether it drafts
+  token trees.
+- export: `export(drafter, ExportContext)` gives the engine directories, each as tensors and a config.json;
+  `import_export(directory, config, embed)` reads such a directory back (None: not this family's layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from draftsmith.drafters.objectives import TrainBatch
+from draftsmith.pipeline.config import FamilySettings
+
+
+@dataclass(frozen=True)
+class TargetParts:
+    """What `build` makes a drafter from: the target's config and weights, the aux layers and the draft vocab."""
+
+    config: Any
+    """The target's HF config."""
+    aux_ids: list[int]
+    """HF hidden_states indices the drafter fuses, ascending."""
+    draft_vocab_size: int
+    embed: torch.Tensor
+    """[V, H] the target's input embedding (frozen in the drafter)."""
+    head: torch.Tensor
+    """[V, H] the target's LM head."""
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+
+class TrainContext(Protocol):
+    """What `after_training` may use of the trainer."""
+
+    accelerator: Any
+    device: torch.device
+    head_weight: torch.Tensor
+    """[V, H] the target's LM head in fp32 on `device`."""
+    settings: Any
+    """The family's objective settings."""
+    section: Any
+    """The family's `train.<name>` section."""
+    temperature: float
+    """train.temperature."""
+
+    def holdout_share(self) -> Iterator[TrainBatch]:
+        """This rank's share of the whole holdout split, as loaded batches (every rank gets a disjoint share)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    """What a family's export needs besides the drafter."""
+
+    root: Path
+    """RUN_DIR/export/: an `ExportedDirectory` named N is written to root/N."""
+
+    target_config: Any
+    target_name: str
+    """The verifier's name as the engines' commands and configs cite it."""
+    dtype: torch.dtype
+    formats: list[str]
+    """export.formats: the engines asked for (`vllm`, `sglang`, `speculators`)."""
+    draft_length: int
+    """eval.draft_length: speculative tokens a chain drafter is served with."""
+
+
+@dataclass
+class ExportedDirectory:
+    """One directory of an export: its name under RUN_DIR/export/, its tensors and config.json, and the README
+    section telling how to serve it."""
+
+    name: str
+    tensors: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    readme: list[str] = field(default_factory=list)
+    """Markdown lines of its README section."""
+    notes: list[str] = field(default_factory=list)
+    """What a user must be told (e.g. an engine that will not load it, and why)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    """The name in train.drafters, the run directory (train/<name>/) and checkpoints' config.json."""
+    settings: type[FamilySettings]
+    """The typed `train.<name>` section."""
+    model_class: Any
+    """Class with `save_pretrained(dir, state_dict=)` and `from_pretrained(dir)` (drafters.common.DrafterBase)."""
+    build: Callable[[TargetParts, Any], torch.nn.Module]
+    """(target parts, section) -> a new drafter. May raise ValueError for a shape it cannot take."""
+    objective: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    """(model, TrainBatch, head_weight, objective settings, unwrapped model) -> (loss, summed statistics). The
+    statistics are those `drafters.objectives.summarize` reads for `settings.steps` steps."""
+    objective_settings: Callable[[Any, Any, int], Any]
+    """(train config, section, seed) -> what `objective` takes; it has a `steps` attribute."""
+    proposer: Callable[[Any, Any], Any]
+    """(drafter, eval config) -> an `eval.proposers` proposer."""
+    export: Callable[[Any, ExportContext], list[ExportedDirectory]]
+    """The engine directories of a trained drafter (empty: none of export.formats applies)."""
+    import_export: Callable[[Path, dict[str, Any], torch.Tensor | None], Any | None]
+    """(directory, its config.json, the target's embedding) -> our drafter, or None when not this family's layout."""
+    after_training: Callable[[TrainContext, Path], None] | None = None
+    """Runs on every rank for best/ and final/ once they are on disk (e.g. fit confidence temperatures)."""
+    trees: bool = False
+    """The proposer drafts token trees (eval.tree_depth)."""
+
+
+def load_renamed_weights(
+    model: Any, directory: Path, embed_weight: torch.Tensor | None, renames: dict[str, str]
+) -> Any:
+    """Fill `model` from DIRECTORY/model.safetensors (names renamed by prefix), the embedding from the target when
+    the export has none; refuses missing or unexpected tensors. Keeps the export's dtype."""
+    from safetensors.torch import load_file
+
+    ours = {}
+    for key, value in load_file(str(directory / "model.safetensors")).items():
+        prefix = next((p for p in renames if key.startswith(p)), None)
+        ours[renames[prefix] + key[len(prefix) :] if prefix else key] = value
+    if "embed_tokens.weight" not in ours:
+        if embed_weight is None:
+            raise ValueError(f"{directory} has no embedding (engines share the target's); pass the target to import it")
+        ours["embed_tokens.weight"] = embed_weight
+    state = model.state_dict()
+    missing = [k for k in state if k not in ours and not k.startswith(("confidence.", "rotary."))]
+    unexpected = [k for k in ours if k not in state]
+    if missing or unexpected:
+        raise ValueError(f"{directory}: weights do not match the drafter (missing {missing}, unexpected {unexpected})")
+    dtype = next(v.dtype for v in ours.values() if v.is_floating_point())  # the export's (from its file, first)
+    model.load_state_dict({**state, **{k: v.to(state[k].dtype) for k, v in ours.items()}})
+    return model.to(dtype) if dtype != torch.float32 else model

@@ -1,0 +1,268 @@
+"""EAGLE-3 as a family: the `train.eagle3` section, the drafter built from the target, the TTT objective, the
+chain/tree proposer, and the engine layouts.
+
+Export layouts (checked against the engines' loaders; README's export section states them):
+- `eagle3/`: one directory both vLLM (`method: eagle3`) and SGLang (`EAGLE3`) load: `midlayer.*` names,
+  `LlamaForCausalLMEagle3`, top-level aux ids in vLLM numbering (HF hidden_states indices) and a nested
+  `eagle_config` copy in SGLang numbering (one lower). SGLang takes exactly 1 layer, 3 aux layers and
+  norm_before_residual=false; a drafter outside that is written for vLLM only, and the SGLang refusal is
+  reported. The embedding is not written: both engines share the target's.
+- `speculators/`: the vllm-project/speculators layout (`Eagle3Speculator`, `layers.N.*`, `embed_tokens`,
+  `t2d`, `d2t`, `speculators_config`), which `vllm serve DIR` serves directly.
+EAGLE-3's confidence head is draftsmith's own (adaptive verification in `eval`) and is not exported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.drafters.objectives import ObjectiveSettings, eagle3_objective
+from draftsmith.eval.proposers import Eagle3Proposer
+from draftsmith.pipeline.families import register
+from draftsmith.pipeline.families.base import (
+    ExportContext,
+    ExportedDirectory,
+    Family,
+    FamilySettings,
+    TargetParts,
+    load_renamed_weights,
+)
+
+
+class Eagle3Settings(FamilySettings):
+    """The EAGLE-3 drafter (`train.eagle3`): a fused-feature decoder layer trained with training-time test."""
+
+    num_layers: int = Field(1, ge=1)
+    """Drafter decoder layers (SGLang serves only 1)."""
+    ttt_steps: int = Field(7, ge=1)
+    """Training-time-test unroll length k."""
+    step_decay: float = Field(0.8, gt=0.0, le=1.0)
+    """Loss weight of TTT step i is step_decay**i."""
+    loss: Literal["ce", "tv", "accept"] = "ce"
+    """Per-position loss: soft cross-entropy to the teacher (forward KL), total variation, or -log acceptance."""
+    confidence_weight: float = Field(1.0, ge=0.0)
+    """Weight of the confidence head's BCE loss."""
+    init_head_from_target: bool = True
+    """Start the (trainable) `lm_head` from the target's LM head rows of the draft vocab instead of random."""
+
+
+def build(parts: TargetParts, s: Eagle3Settings) -> Eagle3Drafter:
+    extra: dict[str, Any] = {"head_weight": parts.head} if s.init_head_from_target else {}
+    return Eagle3Drafter.from_target(
+        parts.config, parts.aux_ids, parts.draft_vocab_size, parts.embed, parts.d2t, parts.t2d, **extra, **s.shape()
+    )
+
+
+def objective_settings(train: Any, s: Eagle3Settings, seed: int) -> ObjectiveSettings:
+    return ObjectiveSettings(
+        s.ttt_steps, s.step_decay, s.loss, train.temperature, s.confidence_weight, train.gradient_checkpointing
+    )
+
+
+def proposer(drafter: Eagle3Drafter, e: Any) -> Eagle3Proposer:
+    return Eagle3Proposer(drafter, e.confidence_threshold)
+
+
+# ------------------------------------------------------------------------------------------ export
+
+
+def _layer_key(key: str, first: str) -> str | None:
+    """Our parameter name -> the exported one; `first` is the name of layer 0 (`midlayer` or `layers.0`).
+    Extra layers (our `layers.j`) become layer j+1. None: not exported."""
+    if key.startswith("confidence.") or key.startswith("rotary."):
+        return None
+    if key.startswith("midlayer."):
+        return first + key[len("midlayer") :]
+    if key.startswith("layers."):
+        _, j, rest = key.split(".", 2)
+        return f"layers.{int(j) + 1}.{rest}"
+    return key
+
+
+def sglang_refusal(cfg: Eagle3Config) -> str | None:
+    """Why SGLang cannot load this drafter, or None."""
+    if cfg.num_layers != 1:
+        return f"SGLang's EAGLE-3 drafter has exactly 1 layer (this one has {cfg.num_layers})"
+    if len(cfg.aux_layer_ids) != 3:
+        return f"SGLang reads exactly 3 aux layers (this drafter uses {len(cfg.aux_layer_ids)})"
+    if cfg.norm_before_residual:
+        return "SGLang implements only norm_before_residual=false"
+    if min(cfg.aux_layer_ids) < 1:
+        return "SGLang numbers aux layers by layer output, so HF index 0 (the embeddings) cannot be expressed"
+    return None
+
+
+def _llama_fields(cfg: Eagle3Config, target_config) -> dict[str, Any]:
+    fields = {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,  # the TARGET vocabulary, as both engines read it
+        "num_hidden_layers": cfg.num_layers,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(target_config, key, None)
+        if value is not None:
+            fields[key] = value
+    return fields
+
+
+def engine_files(
+    model: Eagle3Drafter, target_config, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, config.json) of the vLLM/SGLang `eagle3` directory."""
+    cfg = model.config
+    tensors = {}
+    for key, value in model.state_dict().items():
+        name = _layer_key(key, "midlayer")
+        if name is None or name == "embed_tokens.weight":
+            continue
+        tensors[name] = value if key in ("d2t", "t2d") else value.to(dtype)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(cfg, target_config),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": cfg.norm_before_residual,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if len(cfg.aux_layer_ids) != 3:
+        config["num_aux_hidden_states"] = len(cfg.aux_layer_ids)
+    if sglang_refusal(cfg) is None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids]}
+    return tensors, config
+
+
+def speculators_files(
+    model: Eagle3Drafter, target_config, target_name: str, dtype: torch.dtype, speculative_tokens: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    cfg = model.config
+    tensors = {}
+    for key, value in model.state_dict().items():
+        name = _layer_key(key, "layers.0")
+        if name is None:
+            continue
+        tensors[name] = value if key in ("d2t", "t2d") else value.to(dtype)
+    layer_config = _llama_fields(cfg, target_config)
+    layer_config["architectures"] = ["LlamaForCausalLM"]
+    config = {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "norm_before_residual": cfg.norm_before_residual,  # its loader defaults to true when missing
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": target_name,
+                "architectures": list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"]),
+            },
+        },
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    return tensors, config
+
+
+def export(model: Eagle3Drafter, ctx: ExportContext) -> list[ExportedDirectory]:
+    cfg, k, out = model.config, ctx.draft_length, []
+    lines = [
+        f"EAGLE-3: {cfg.num_layers} layer(s), draft vocab {cfg.draft_vocab_size}, aux layers "
+        f"{cfg.aux_layer_ids} (HF hidden_states indices).",
+        "",
+    ]
+    if "vllm" in ctx.formats or "sglang" in ctx.formats:
+        refusal = sglang_refusal(cfg)
+        tensors, config = engine_files(model, ctx.target_config, ctx.dtype)
+        spec = json.dumps({"method": "eagle3", "model": str(ctx.root / "eagle3"), "num_speculative_tokens": k})
+        lines += ["## EAGLE-3 on vLLM", "", "```bash", f"vllm serve {ctx.target_name} --speculative-config '{spec}'"]
+        lines += ["```", "", "## EAGLE-3 on SGLang", ""]
+        if refusal:
+            lines += [f"Not loadable by SGLang: {refusal}.", ""]
+        else:
+            lines += [
+                "```bash",
+                f"python -m sglang.launch_server --model-path {ctx.target_name} --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {ctx.root / 'eagle3'} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+                f"--speculative-num-draft-tokens {k + 1}",
+                "```",
+                "",
+            ]
+        notes = [f"not writing an SGLang-loadable directory: {refusal}"] if refusal and "sglang" in ctx.formats else []
+        out.append(ExportedDirectory("eagle3", tensors, config, lines, notes))
+        lines = []
+    if "speculators" in ctx.formats:
+        tensors, config = speculators_files(model, ctx.target_config, ctx.target_name, ctx.dtype, k)
+        lines += [
+            "## EAGLE-3, speculators format (vLLM serves it directly)",
+            "",
+            "```bash",
+            f"vllm serve {ctx.root / 'speculators'}",
+            "```",
+        ]
+        out.append(ExportedDirectory("speculators", tensors, config, [*lines, ""]))
+    return out
+
+
+def import_export(directory: Path, raw: dict[str, Any], embed_weight: torch.Tensor | None) -> Eagle3Drafter | None:
+    speculators = raw.get("speculators_model_type") == "eagle3"
+    if not speculators and "LlamaForCausalLMEagle3" not in raw.get("architectures", []):
+        return None
+    lc = raw["transformer_layer_config"] if speculators else raw
+    cfg = Eagle3Config(
+        vocab_size=lc["vocab_size"],
+        draft_vocab_size=raw["draft_vocab_size"],
+        hidden_size=lc["hidden_size"],
+        target_hidden_size=raw["target_hidden_size"],
+        num_attention_heads=lc["num_attention_heads"],
+        num_key_value_heads=lc["num_key_value_heads"],
+        head_dim=lc.get("head_dim") or lc["hidden_size"] // lc["num_attention_heads"],
+        intermediate_size=lc["intermediate_size"],
+        aux_layer_ids=raw["eagle_aux_hidden_state_layer_ids"],
+        rms_norm_eps=lc["rms_norm_eps"],
+        rope_theta=lc.get("rope_theta", 10000.0),
+        max_position_embeddings=lc["max_position_embeddings"],
+        num_layers=lc["num_hidden_layers"],
+        norm_before_residual=raw["norm_before_residual"],
+        hidden_act=lc.get("hidden_act", "silu"),
+    )
+    first = "layers.0" if speculators else "midlayer"
+    # the engines' names -> ours: the first layer is our `midlayer`, later ones shift down by one
+    renames = {first + ".": "midlayer."} | {f"layers.{j}.": f"layers.{j - 1}." for j in range(1, cfg.num_layers)}
+    return load_renamed_weights(Eagle3Drafter(cfg), directory, embed_weight, renames)
+
+
+FAMILY = register(
+    Family(
+        name="eagle3",
+        settings=Eagle3Settings,
+        model_class=Eagle3Drafter,
+        build=build,
+        objective=eagle3_objective,
+        objective_settings=objective_settings,
+        proposer=proposer,
+        export=export,
+        import_export=import_export,
+        trees=True,
+    )
+)
