@@ -119,19 +119,25 @@ def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
         dtype=DTYPES[x.dtype],
         formats=list(x.formats),
         draft_length=cfg.eval.draft_length,
+        hub_target=spec.kind == "hub",
     )
-    written = [d for name, model in models.items() for d in families.get_family(name).export(model, ctx)]
+    exported = [d for name, model in models.items() for d in families.get_family(name).export(model, ctx)]
+    refused = {d.name: d.refused for d in exported if d.refused}
+    written = [d for d in exported if not d.refused]
     names = [d.name for d in written]
     if len(set(names)) != len(names):
         raise StageError(f"two drafter families export a directory of the same name: {names}")
     if out.exists():
         shutil.rmtree(out)
+    for name, why in refused.items():
+        console.print(f"[bold red]export: {name}/ NOT WRITTEN: {why}[/]", highlight=False)
+        log.error("export: %s/ not written: %s", name, why)
     for d in written:
         for note in d.notes:
-            console.print(f"[yellow]export: {note}[/]")
+            console.print(f"[yellow]export: {note}[/]", highlight=False)
         _write(layout.export_format(d.name), d.tensors, d.config)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "README.md").write_text(_readme(cfg, models, written, spec.name))
+    (out / "README.md").write_text(_readme(cfg, models, exported, spec.name))
     write_manifest(
         out,
         "export",
@@ -141,6 +147,7 @@ def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
         dtype=x.dtype,
         formats={d.name: str(layout.export_format(d.name).relative_to(out)) for d in written},
         notes={d.name: d.notes for d in written if d.notes},
+        refused=refused,
     )
     console.print(f"export -> {out}: " + ", ".join(f"{n}/" for n in names), highlight=False)
     return out

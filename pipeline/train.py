@@ -38,7 +38,7 @@ from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.families import get_family
-from draftsmith.pipeline.families.base import TargetParts
+from draftsmith.pipeline.families.base import TargetParts, engine_refusal
 from draftsmith.pipeline.inputs import input_records
 from draftsmith.pipeline.layout import MANIFEST, RunLayout
 from draftsmith.pipeline.precision import resolve_mixed_precision
@@ -206,6 +206,11 @@ class Trainer:
         if wanted is not None and list(wanted) != list(self.aux_ids):
             self.source = AuxSubset(self.source, list(self.aux_ids), list(wanted), target_config.hidden_size)
             self.aux_ids = list(wanted)
+        unservable = engine_refusal(self.aux_ids, target_config)
+        if unservable:  # draftsmith's own eval can measure it; no serving engine can run it, so export will refuse
+            log.warning(
+                "train (%s): %s. `draftsmith export` will write no engine directory for it.", family, unservable
+            )
         self._check_source()
         _, head, embed = load_head_weights(cfg.model, model=target_model)
         d2t, t2d = self._draft_vocab(head.shape[0])

@@ -77,6 +77,8 @@ class ExportContext:
     """export.formats: the engines asked for (`vllm`, `sglang`, `speculators`)."""
     draft_length: int
     """eval.draft_length: speculative tokens a chain drafter is served with."""
+    hub_target: bool
+    """The target is a hub repository (engines accept it as a verifier name); else a local directory or GGUF."""
 
 
 @dataclass
@@ -91,6 +93,8 @@ class ExportedDirectory:
     """Markdown lines of its README section."""
     notes: list[str] = field(default_factory=list)
     """What a user must be told (e.g. an engine that will not load it, and why)."""
+    refused: str | None = None
+    """Why this directory is not written at all (no engine would compute what was trained); tensors are empty."""
 
 
 @dataclass(frozen=True)
@@ -120,14 +124,58 @@ class Family:
     """The proposer drafts token trees (eval.tree_depth)."""
 
 
+def engine_refusal(aux_layer_ids: list[int], target_config) -> str | None:
+    """Why no engine would feed this drafter the features it was trained on, or None: vLLM and SGLang capture the
+    aux layers in ascending order, and neither captures draftsmith's id L (the final normed output)."""
+    ids, L = list(aux_layer_ids), target_config.num_hidden_layers
+    if any(a >= b for a, b in zip(ids, ids[1:])):
+        return (
+            f"aux layers {ids} are not in ascending order, and vLLM and SGLang concatenate the captured layers in "
+            "ascending order: fc would get permuted columns"
+        )
+    if L in ids:
+        return (
+            f"aux layer {L} is draftsmith's final normed output, which vLLM captures before the final norm and "
+            f"SGLang never captures; train with aux layers below {L} (collect.aux_layer_ids)"
+        )
+    return None
+
+
+def vocab_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """`d2t` and `t2d` for a reduced draft vocabulary; nothing for a full one (vLLM 0.33 refuses the tensors when the
+    vocabularies are equal). A full draft vocabulary is the identity by construction; anything else is refused."""
+    if model.config.draft_vocab_size != model.config.vocab_size:
+        return {"d2t": model.d2t, "t2d": model.t2d}
+    if bool(model.d2t.any()) or not bool(model.t2d.all()):
+        raise ValueError("a full draft vocabulary whose d2t is not the identity cannot be expressed without d2t")
+    return {}
+
+
+def implied_vocab(directory: Path, vocab: int, draft_vocab: int) -> dict[str, torch.Tensor]:
+    """The `d2t`/`t2d` an export without them means (the identity over a full vocabulary); nothing when it has them."""
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        if "d2t" in f.keys():
+            return {}
+    if vocab != draft_vocab:
+        raise ValueError(f"{directory}: no d2t/t2d, but the draft vocab ({draft_vocab}) is not the target's ({vocab})")
+    return {"d2t": torch.zeros(draft_vocab, dtype=torch.int64), "t2d": torch.ones(vocab, dtype=torch.bool)}
+
+
 def load_renamed_weights(
-    model: Any, directory: Path, embed_weight: torch.Tensor | None, renames: dict[str, str]
+    model: Any,
+    directory: Path,
+    embed_weight: torch.Tensor | None,
+    renames: dict[str, str],
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> Any:
-    """Fill `model` from DIRECTORY/model.safetensors (names renamed by prefix), the embedding from the target when
-    the export has none; refuses missing or unexpected tensors. Keeps the export's dtype."""
+    """Fill `model` from DIRECTORY/model.safetensors (names renamed by prefix) and `extra` (tensors the layout
+    implies, e.g. an identity vocabulary), the embedding from the target when the export has none; refuses missing
+    or unexpected tensors. Keeps the export's dtype."""
     from safetensors.torch import load_file
 
-    ours = {}
+    ours = dict(extra or {})
     for key, value in load_file(str(directory / "model.safetensors")).items():
         prefix = next((p for p in renames if key.startswith(p)), None)
         ours[renames[prefix] + key[len(prefix) :] if prefix else key] = value

@@ -1,11 +1,14 @@
 """DSpark as a family: the `train.dspark` section, the block drafter built from the target, its objective, the
 block proposer, confidence calibration after training, and the engine layout.
 
-Export layout: `dspark/`, a DSpark drafter in the speculators DSpark layout (`DSparkSpeculator`: the DFlash-style
-backbone plus `markov_head.markov_w1/w2` and `confidence_head.proj`), for vLLM's `method: dspark`. Our parameter
-names are already that layout; the embedding is left out (loaded from the target). The fitted confidence
-temperatures have no field in the layout: they travel as the extra config key `draftsmith_confidence_temperatures`
-(speculators' configs keep unknown keys; engines ignore it), so `draftsmith import` restores the calibrated drafter.
+Export layout: `dspark/`, a DSpark drafter in the speculators DSpark layout (the DFlash-style backbone plus
+`markov_head.markov_w1/w2` and `confidence_head.proj`), which vLLM 0.33 translates to `method: dspark`
+(`Qwen3DSparkForCausalLM`). Our parameter names are already that layout; the embedding is left out (loaded from the
+target); a full draft vocabulary ships no `d2t`/`t2d` (vLLM refuses them then). SGLang 0.5.23 has a DSpark drafter
+too, but it reads its own flat config, not this layout. The fitted confidence temperatures have no field in the
+layout: they travel as the extra config key `draftsmith_confidence_temperatures` (speculators' configs keep unknown
+keys; engines ignore it), so `draftsmith import` restores the calibrated drafter. Aux id L and unsorted ids are
+refused as for EAGLE-3 (`base.engine_refusal`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ from draftsmith.pipeline.families.base import (
     FamilySettings,
     TargetParts,
     TrainContext,
+    engine_refusal,
+    implied_vocab,
     load_renamed_weights,
+    vocab_tensors,
 )
 
 log = logging.getLogger(__name__)
@@ -165,9 +171,10 @@ def files(
     cfg = model.config
     tensors = {}
     for key, value in model.state_dict().items():
-        if key.startswith("rotary.") or key == "embed_tokens.weight":
+        if key.startswith("rotary.") or key in ("embed_tokens.weight", "d2t", "t2d"):
             continue
-        tensors[key] = value if key in ("d2t", "t2d") else value.to(dtype)
+        tensors[key] = value.to(dtype)
+    tensors |= vocab_tensors(model)
     layer_config = {
         "model_type": "qwen3",  # the speculators DFlash backbone is Qwen3-style (per-head q/k RMSNorm)
         "architectures": ["Qwen3ForCausalLM"],
@@ -221,6 +228,9 @@ def export(model: DSparkDrafter, ctx: ExportContext) -> list[ExportedDirectory]:
     if "vllm" not in ctx.formats and "speculators" not in ctx.formats:
         return []
     cfg = model.config
+    refusal = engine_refusal(cfg.aux_layer_ids, ctx.target_config)
+    if refusal:
+        return [ExportedDirectory("dspark", {}, {}, [f"DSpark: not exported: {refusal}.", ""], refused=refusal)]
     tensors, config = files(model, ctx.target_config, ctx.target_name, ctx.dtype)
     spec = {"method": "dspark", "model": str(ctx.root / "dspark"), "num_speculative_tokens": cfg.block_size}
     readme = [
@@ -233,7 +243,7 @@ def export(model: DSparkDrafter, ctx: ExportContext) -> list[ExportedDirectory]:
         f"vllm serve {ctx.target_name} --speculative-config '{json.dumps(spec)}'",
         "```",
         "",
-        "SGLang has no DSpark drafter.",
+        "SGLang's DSpark drafter reads another config layout: this directory is for vLLM.",
         "",
     ]
     return [ExportedDirectory("dspark", tensors, config, readme)]
@@ -277,7 +287,8 @@ def import_export(directory: Path, raw: dict[str, Any], embed_weight: torch.Tens
         confidence_temperatures=raw.get("draftsmith_confidence_temperatures"),
         extra={"rope_scaling": lc["rope_scaling"]} if lc.get("rope_scaling") else {},
     )
-    return load_renamed_weights(DSparkDrafter(cfg), directory, embed_weight, {})
+    extra = implied_vocab(directory, cfg.vocab_size, cfg.draft_vocab_size)
+    return load_renamed_weights(DSparkDrafter(cfg), directory, embed_weight, {}, extra)
 
 
 FAMILY = register(

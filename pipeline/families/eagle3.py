@@ -1,14 +1,23 @@
 """EAGLE-3 as a family: the `train.eagle3` section, the drafter built from the target, the TTT objective, the
 chain/tree proposer, and the engine layouts.
 
-Export layouts (checked against the engines' loaders; README's export section states them):
-- `eagle3/`: one directory both vLLM (`method: eagle3`) and SGLang (`EAGLE3`) load: `midlayer.*` names,
-  `LlamaForCausalLMEagle3`, top-level aux ids in vLLM numbering (HF hidden_states indices) and a nested
-  `eagle_config` copy in SGLang numbering (one lower). SGLang takes exactly 1 layer, 3 aux layers and
-  norm_before_residual=false; a drafter outside that is written for vLLM only, and the SGLang refusal is
-  reported. The embedding is not written: both engines share the target's.
-- `speculators/`: the vllm-project/speculators layout (`Eagle3Speculator`, `layers.N.*`, `embed_tokens`,
-  `t2d`, `d2t`, `speculators_config`), which `vllm serve DIR` serves directly.
+Export layouts, as vLLM 0.33, SGLang 0.5.23 and speculators 0.9.0 read them (tests/engines/ runs their own code):
+- `eagle3/`: `midlayer.*` names, top-level aux ids in vLLM numbering (HF hidden_states indices) and
+  `num_aux_hidden_states` (both engines size `fc` from it, not from the id list). When SGLang computes what we
+  trained (exactly 1 layer: its later layers norm with `hidden_norm`; norm_before_residual=false: it ignores the
+  flag; every aux id >= 1: it numbers layers by output), the architecture is `LlamaForCausalLMEagle3` and a nested
+  `eagle_config` holds the ids in SGLang numbering (one lower), so both engines load it. Otherwise it is written for
+  vLLM alone, as `Eagle3LlamaForCausalLM`: a name in vLLM's registry and not in SGLang's, so SGLang refuses the
+  directory instead of loading it with default aux layers and untrained norms. The embedding is not written: both
+  engines share the target's.
+- `speculators/`: the vllm-project/speculators layout (`layers.N.*`, `embed_tokens`, `speculators_config`).
+  `num_aux_hidden_states` goes inside `transformer_layer_config`, which vLLM's translation starts its config from.
+- A full draft vocabulary (draft vocab == target vocab) ships no `d2t`/`t2d`: vLLM creates its draft-to-target
+  map only when the vocabularies differ and refuses the tensor otherwise; ours is then the identity (draft ids are
+  ordered by target id).
+- No engine directory is written for a drafter fusing aux id L (the target's layer count: here the final *normed*
+  output, which vLLM captures before the final norm and SGLang never captures) or with aux ids out of ascending
+  order (both engines concatenate in layer order): they would load and compute something else.
 EAGLE-3's confidence head is draftsmith's own (adaptive verification in `eval`) and is not exported.
 """
 
@@ -31,7 +40,10 @@ from draftsmith.pipeline.families.base import (
     Family,
     FamilySettings,
     TargetParts,
+    engine_refusal,
+    implied_vocab,
     load_renamed_weights,
+    vocab_tensors,
 )
 
 
@@ -86,13 +98,14 @@ def _layer_key(key: str, first: str) -> str | None:
 
 
 def sglang_refusal(cfg: Eagle3Config) -> str | None:
-    """Why SGLang cannot load this drafter, or None."""
+    """Why SGLang 0.5.23 would not compute this drafter as trained, or None."""
     if cfg.num_layers != 1:
-        return f"SGLang's EAGLE-3 drafter has exactly 1 layer (this one has {cfg.num_layers})"
-    if len(cfg.aux_layer_ids) != 3:
-        return f"SGLang reads exactly 3 aux layers (this drafter uses {len(cfg.aux_layer_ids)})"
+        return (
+            f"SGLang's EAGLE-3 drafter norms layers after the first with `hidden_norm`, so only 1 layer computes as "
+            f"trained (this one has {cfg.num_layers})"
+        )
     if cfg.norm_before_residual:
-        return "SGLang implements only norm_before_residual=false"
+        return "SGLang ignores norm_before_residual and computes only norm_before_residual=false"
     if min(cfg.aux_layer_ids) < 1:
         return "SGLang numbers aux layers by layer output, so HF index 0 (the embeddings) cannot be expressed"
     return None
@@ -131,21 +144,22 @@ def engine_files(
     tensors = {}
     for key, value in model.state_dict().items():
         name = _layer_key(key, "midlayer")
-        if name is None or name == "embed_tokens.weight":
+        if name is None or name in ("embed_tokens.weight", "d2t", "t2d"):
             continue
-        tensors[name] = value if key in ("d2t", "t2d") else value.to(dtype)
+        tensors[name] = value.to(dtype)
+    tensors |= vocab_tensors(model)
+    sglang = sglang_refusal(cfg) is None
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
+        "architectures": ["LlamaForCausalLMEagle3" if sglang else "Eagle3LlamaForCausalLM"],
         **_llama_fields(cfg, target_config),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "num_aux_hidden_states": len(cfg.aux_layer_ids),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if len(cfg.aux_layer_ids) != 3:
-        config["num_aux_hidden_states"] = len(cfg.aux_layer_ids)
-    if sglang_refusal(cfg) is None:
+    if sglang:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids]}
     return tensors, config
 
@@ -157,11 +171,14 @@ def speculators_files(
     tensors = {}
     for key, value in model.state_dict().items():
         name = _layer_key(key, "layers.0")
-        if name is None:
+        if name is None or name in ("d2t", "t2d"):
             continue
-        tensors[name] = value if key in ("d2t", "t2d") else value.to(dtype)
+        tensors[name] = value.to(dtype)
+    tensors |= vocab_tensors(model)
     layer_config = _llama_fields(cfg, target_config)
     layer_config["architectures"] = ["LlamaForCausalLM"]
+    # vLLM's speculators translation starts the drafter's config from this dict and sizes fc from this key
+    layer_config["num_aux_hidden_states"] = len(cfg.aux_layer_ids)
     config = {
         "speculators_model_type": "eagle3",
         "architectures": ["Eagle3Speculator"],
@@ -185,48 +202,60 @@ def speculators_files(
 
 
 def export(model: Eagle3Drafter, ctx: ExportContext) -> list[ExportedDirectory]:
-    cfg, k, out = model.config, ctx.draft_length, []
-    lines = [
-        f"EAGLE-3: {cfg.num_layers} layer(s), draft vocab {cfg.draft_vocab_size}, aux layers "
-        f"{cfg.aux_layer_ids} (HF hidden_states indices).",
-        "",
-    ]
+    cfg, k = model.config, ctx.draft_length
+    refusal = engine_refusal(cfg.aux_layer_ids, ctx.target_config)
+    if refusal:
+        return [ExportedDirectory("eagle3", {}, {}, [f"EAGLE-3: not exported: {refusal}.", ""], refused=refusal)]
+    out, lines = (
+        [],
+        [
+            f"EAGLE-3: {cfg.num_layers} layer(s), draft vocab {cfg.draft_vocab_size}, aux layers "
+            f"{cfg.aux_layer_ids} (HF hidden_states indices).",
+            "",
+        ],
+    )
     if "vllm" in ctx.formats or "sglang" in ctx.formats:
-        refusal = sglang_refusal(cfg)
+        sglang = sglang_refusal(cfg)
         tensors, config = engine_files(model, ctx.target_config, ctx.dtype)
         spec = json.dumps({"method": "eagle3", "model": str(ctx.root / "eagle3"), "num_speculative_tokens": k})
         lines += ["## EAGLE-3 on vLLM", "", "```bash", f"vllm serve {ctx.target_name} --speculative-config '{spec}'"]
         lines += ["```", "", "## EAGLE-3 on SGLang", ""]
-        if refusal:
-            lines += [f"Not loadable by SGLang: {refusal}.", ""]
+        if sglang:
+            lines += [f"Not loadable by SGLang (written as a vLLM-only architecture, which SGLang refuses): {sglang}."]
+            lines += [""]
         else:
             lines += [
                 "```bash",
                 f"python -m sglang.launch_server --model-path {ctx.target_name} --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {ctx.root / 'eagle3'} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-                f"--speculative-num-draft-tokens {k + 1}",
+                f"--speculative-draft-model-path {ctx.root / 'eagle3'} --speculative-num-steps {k} "
+                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
                 "```",
                 "",
             ]
-        notes = [f"not writing an SGLang-loadable directory: {refusal}"] if refusal and "sglang" in ctx.formats else []
+        notes = [f"eagle3/ is for vLLM only: {sglang}"] if sglang and "sglang" in ctx.formats else []
         out.append(ExportedDirectory("eagle3", tensors, config, lines, notes))
         lines = []
     if "speculators" in ctx.formats:
         tensors, config = speculators_files(model, ctx.target_config, ctx.target_name, ctx.dtype, k)
-        lines += [
-            "## EAGLE-3, speculators format (vLLM serves it directly)",
-            "",
-            "```bash",
-            f"vllm serve {ctx.root / 'speculators'}",
-            "```",
-        ]
-        out.append(ExportedDirectory("speculators", tensors, config, [*lines, ""]))
+        lines += ["## EAGLE-3, speculators format", "", "```bash"]
+        if ctx.hub_target:
+            lines += [f"vllm serve {ctx.root / 'speculators'}      # the verifier named in its config"]
+        else:
+            # vLLM 0.33 serves `vllm serve DIR` only for a verifier that is a hub repository; a local target is named
+            # explicitly, with the directory as the speculative model
+            spec = json.dumps({"method": "eagle3", "model": str(ctx.root / "speculators"), "num_speculative_tokens": k})
+            lines += [f"vllm serve {ctx.target_name} --speculative-config '{spec}'"]
+        lines += ["```", ""]
+        if not ctx.hub_target:
+            lines += ["(`vllm serve DIR` alone refuses a verifier that is a local path.)", ""]
+        out.append(ExportedDirectory("speculators", tensors, config, lines))
     return out
 
 
 def import_export(directory: Path, raw: dict[str, Any], embed_weight: torch.Tensor | None) -> Eagle3Drafter | None:
     speculators = raw.get("speculators_model_type") == "eagle3"
-    if not speculators and "LlamaForCausalLMEagle3" not in raw.get("architectures", []):
+    archs = raw.get("architectures", [])
+    if not speculators and "LlamaForCausalLMEagle3" not in archs and "Eagle3LlamaForCausalLM" not in archs:
         return None
     lc = raw["transformer_layer_config"] if speculators else raw
     cfg = Eagle3Config(
@@ -249,7 +278,8 @@ def import_export(directory: Path, raw: dict[str, Any], embed_weight: torch.Tens
     first = "layers.0" if speculators else "midlayer"
     # the engines' names -> ours: the first layer is our `midlayer`, later ones shift down by one
     renames = {first + ".": "midlayer."} | {f"layers.{j}.": f"layers.{j - 1}." for j in range(1, cfg.num_layers)}
-    return load_renamed_weights(Eagle3Drafter(cfg), directory, embed_weight, renames)
+    extra = implied_vocab(directory, cfg.vocab_size, cfg.draft_vocab_size)
+    return load_renamed_weights(Eagle3Drafter(cfg), directory, embed_weight, renames, extra)
 
 
 FAMILY = register(

@@ -22,6 +22,12 @@ def target4(tmp_path_factory):
     return save_tiny_target(tmp_path_factory.mktemp("t4"), seed=0, num_layers=4)
 
 
+@pytest.fixture(scope="module")
+def target5(tmp_path_factory):
+    """Five layers, so that four aux layers (1..4) stay below L (id L has no engine counterpart)."""
+    return save_tiny_target(tmp_path_factory.mktemp("t5"), seed=0, num_layers=5)
+
+
 def _drafter(target_dir, tmp_path, num_layers=1, aux=(1, 2, 3), D=200):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -133,7 +139,10 @@ def test_vllm_contract(target4, tmp_path, num_layers):
     c = json.loads((out / "eagle3" / "config.json").read_text())
     tensors = load_file(str(out / "eagle3" / "model.safetensors"))
     assert vllm_load(tensors) == vllm_expected_params(c)  # every tensor lands in exactly one parameter, none missing
-    assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == num_layers
+    # 1 layer: the architecture both engines load; 2 layers: vLLM's own name, which SGLang refuses (it would compute
+    # layers after the first with another norm)
+    arch = "LlamaForCausalLMEagle3" if num_layers == 1 else "Eagle3LlamaForCausalLM"
+    assert c["architectures"] == [arch] and c["num_hidden_layers"] == num_layers
     for key, typ in [
         ("vocab_size", int),
         ("draft_vocab_size", int),
@@ -168,11 +177,62 @@ def test_sglang_contract_and_refusal(target4, tmp_path):
     assert c["norm_before_residual"] is False
     # a 2-layer drafter: written for vLLM only, with the reason
     model2, path2 = _drafter(target4, tmp_path, num_layers=2)
-    assert "exactly 1 layer" in sglang_refusal(model2.config)
+    assert "only 1 layer computes as trained" in sglang_refusal(model2.config)
     out2 = _export(target4, tmp_path / "two", path2)
-    assert "eagle_config" not in json.loads((out2 / "eagle3" / "config.json").read_text())
+    c2 = json.loads((out2 / "eagle3" / "config.json").read_text())
+    assert "eagle_config" not in c2 and c2["architectures"] == ["Eagle3LlamaForCausalLM"]  # SGLang refuses the name
     assert "Not loadable by SGLang" in (out2 / "README.md").read_text()
-    assert "exactly 3 aux layers" in sglang_refusal(_drafter(target4, tmp_path / "aux4", aux=(1, 2, 3, 4))[0].config)
+
+
+def test_any_aux_count_is_written_for_both_engines_with_its_width(tmp_path):
+    """fc's width comes from num_aux_hidden_states in both engines (not from the id list), in both layouts: vLLM's
+    speculators translation starts the drafter config from transformer_layer_config. SGLang 0.5.23 reads any count."""
+    target = save_tiny_target(tmp_path / "t6", seed=0, num_layers=6)
+    model, path = _drafter(target, tmp_path, aux=(1, 2, 3, 4, 5))
+    assert sglang_refusal(model.config) is None
+    out = _export(target, tmp_path, path)
+    c = json.loads((out / "eagle3" / "config.json").read_text())
+    assert c["num_aux_hidden_states"] == 5 and c["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2, 3, 4]
+    s = json.loads((out / "speculators" / "config.json").read_text())
+    assert s["transformer_layer_config"]["num_aux_hidden_states"] == 5
+    assert vllm_load(load_file(str(out / "eagle3" / "model.safetensors"))) == vllm_expected_params(c)
+
+
+def test_a_full_draft_vocabulary_ships_no_vocabulary_map(target4, tmp_path):
+    """vLLM 0.33 creates draft_id_to_target_id only when the vocabularies differ and refuses d2t otherwise; the
+    identity is implied, and import restores it."""
+    model, path = _drafter(target4, tmp_path, D=384)
+    out = _export(target4, tmp_path, path, "export.dtype=float32")
+    for fmt in ("eagle3", "speculators"):
+        tensors = load_file(str(out / fmt / "model.safetensors"))
+        assert "d2t" not in tensors and "t2d" not in tensors, fmt
+        again = import_drafter(out / fmt, embed_weight=model.embed_tokens.weight.detach())
+        for key, value in model.state_dict().items():
+            if not key.startswith(("confidence.", "rotary.")):
+                assert torch.equal(again.state_dict()[key], value), (fmt, key)
+
+
+@pytest.mark.parametrize("aux, why", [((1, 2, 4), "final normed output"), ((3, 1, 2), "ascending order")])
+def test_aux_layers_no_engine_feeds_as_trained_are_refused(target4, tmp_path, aux, why):
+    """Aux id L (= 4 here) is draftsmith's final normed output, which vLLM captures before the final norm and SGLang
+    never; unsorted ids would reach fc permuted. No engine directory is written, and the refusal is recorded."""
+    _, path = _drafter(target4, tmp_path, aux=aux)
+    out = _export(target4, tmp_path, path)
+    assert not (out / "eagle3").exists() and not (out / "speculators").exists()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert why in manifest["refused"]["eagle3"] and manifest["formats"] == {}
+    assert "not exported" in (out / "README.md").read_text()
+
+
+def test_readme_serves_a_local_target_through_its_speculative_config(target4, tmp_path):
+    """vLLM 0.33 refuses `vllm serve DIR` when the speculators config names a local verifier: for a local target the
+    README names the target and passes the directory as the speculative model."""
+    _, path = _drafter(target4, tmp_path)
+    out = _export(target4, tmp_path, path)
+    readme = (out / "README.md").read_text()
+    assert f"vllm serve {out / 'speculators'}" not in readme
+    assert f'"model": "{out / "speculators"}"' in readme
 
 
 def test_d2t_invariants_and_readme(target4, tmp_path):
@@ -291,15 +351,15 @@ def _dspark(target_dir, tmp_path, aux=(1, 2, 3, 4), D=200):
     return model, path
 
 
-def test_dspark_export_is_the_speculators_dspark_layout_and_computes_the_same_block(target4, tmp_path):
+def test_dspark_export_is_the_speculators_dspark_layout_and_computes_the_same_block(target5, tmp_path):
     """speculators' DSparkDraftModel built from our config.json takes every exported tensor, and its modules
     compute our block: backbone over [anchor, MASK...] with context K/V from the fused features, Markov bias of
     the previous token, confidence from [hidden ; W1[prev]]."""
     pytest.importorskip("speculators", reason="installed by `make` from requirements-external.txt")
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
-    model, path = _dspark(target4, tmp_path)
-    out = _export(target4, tmp_path, path, "export.dtype=float32", "train.drafters=[dspark]")
+    model, path = _dspark(target5, tmp_path)
+    out = _export(target5, tmp_path, path, "export.dtype=float32", "train.drafters=[dspark]")
     assert not (out / "eagle3").exists() and (out / "dspark" / "config.json").is_file()
     raw = json.loads((out / "dspark" / "config.json").read_text())
     assert raw["speculators_model_type"] == "dspark" and raw["sample_from_anchor"] is True
@@ -345,13 +405,13 @@ def test_dspark_export_is_the_speculators_dspark_layout_and_computes_the_same_bl
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dspark_round_trip_is_bit_exact_with_its_calibration(target4, tmp_path, dtype):
+def test_dspark_round_trip_is_bit_exact_with_its_calibration(target5, tmp_path, dtype):
     """export -> import of the dspark layout gives back the same drafter: the same block logits and confidences
     (bit for bit at the export dtype) and the fitted confidence temperatures, carried as an extra config key."""
-    model, path = _dspark(target4, tmp_path)
+    model, path = _dspark(target5, tmp_path)
     model.config.confidence_temperatures = [0.5, 1.5, 2.0, 3.0]
     model.save_pretrained(path)
-    out = _export(target4, tmp_path, path, f"export.dtype={dtype}", "train.drafters=[dspark]")
+    out = _export(target5, tmp_path, path, f"export.dtype={dtype}", "train.drafters=[dspark]")
     with pytest.raises(StageError, match="pass the target"):
         import_drafter(out / "dspark")
     again = import_drafter(out / "dspark", embed_weight=model.embed_tokens.weight.detach())
@@ -375,3 +435,14 @@ def test_dspark_round_trip_is_bit_exact_with_its_calibration(target4, tmp_path, 
     (out / "dspark" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(StageError, match="sample_from_anchor"):
         import_drafter(out / "dspark", embed_weight=model.embed_tokens.weight.detach())
+
+
+def test_a_full_vocabulary_dspark_ships_no_vocabulary_map(target5, tmp_path):
+    model, path = _dspark(target5, tmp_path, D=384)
+    out = _export(target5, tmp_path, path, "export.dtype=float32", "train.drafters=[dspark]")
+    tensors = load_file(str(out / "dspark" / "model.safetensors"))
+    assert "d2t" not in tensors and "t2d" not in tensors
+    again = import_drafter(out / "dspark", embed_weight=model.embed_tokens.weight.detach())
+    for key, value in model.state_dict().items():
+        if not key.startswith("rotary."):
+            assert torch.equal(again.state_dict()[key], value), key
