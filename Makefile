@@ -7,8 +7,11 @@ PY         := $(VENV)/bin/python
 # A pinned torch: on a CPU machine this is a CPU build, on a CUDA machine PyPI serves the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.installed
+# The serving engines (vLLM, SGLang) for tests/engines/: outside the venv, run only in the tests' subprocesses.
+ENGINES    ?= .engines
+ENGINES_STAMP := $(ENGINES)/.installed
 
-.PHONY: install check test demo bench gpu-check clean
+.PHONY: install engines check test demo bench gpu-check clean
 
 $(STAMP): pyproject.toml requirements-assets.txt requirements-external.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,13 +26,22 @@ $(STAMP): pyproject.toml requirements-assets.txt requirements-external.txt Makef
 
 install: $(STAMP)
 
+# vLLM and SGLang as released, --no-deps, into $(ENGINES) (about 2 GB, triton 1 GB of it): the engine conformance
+# tests (tests/engines/) run their code in subprocesses with PYTHONPATH=$(ENGINES) and skip when it is absent.
+$(ENGINES_STAMP): requirements-engines.txt | $(STAMP)
+	rm -rf $(ENGINES)
+	$(PY) -m pip install -q --no-deps --target $(ENGINES) -r requirements-engines.txt
+	touch $(ENGINES_STAMP)
+
+engines: $(ENGINES_STAMP)
+
 # Lint, format and type checks (ruff, and mypy through launch/typecheck.sh); `test` runs them first.
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	PYTHON=$(abspath $(PY)) bash launch/typecheck.sh
 
-test: $(STAMP) check
+test: $(STAMP) $(ENGINES_STAMP) check
 	@$(PY) -c "import torch; from draftsmith.pipeline.precision import cpu_bf16; print('CPU kernels:', torch.backends.cpu.get_cpu_capability(), '| native bf16:', *cpu_bf16())"
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests
 
@@ -49,4 +61,4 @@ gpu-check:
 	bash launch/gpu_check.sh $(GPU_CHECK_OUT)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(ENGINES) .pytest_cache
