@@ -10,10 +10,12 @@ forward_native, a stand-in ForwardBatch, the shared embedding copied in, and a s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.engines.exports import ENGINE_RTOL, VARIANTS, WRITTEN_EAGLE3
+from tests.engines.exports import EAGLE3, ENGINE_RTOL, VARIANTS, WRITTEN_EAGLE3
 from tests.engines.probe import run_probe
 
 
@@ -57,10 +59,32 @@ def test_sglang_refuses_the_vllm_only_directory(sglang_results, exported, name):
     eagle3/ directory must not load there. SGLang's own `get_model_architecture` refuses it (the architecture is
     vLLM's `Eagle3LlamaForCausalLM`, not in SGLang's registry nor in transformers) instead of loading it with
     default aux layers and untrained norms. If it loads anyway, the probe ran it: the message says how far off."""
-    r = _result(sglang_results, name)
+    r = sglang_results.get(name)
+    assert r is not None, f"{name}: no eagle3/ directory was exported"
+    if "class" in r and "logits" not in r:
+        pytest.fail(f"SGLang loads {name}'s eagle3/ ({r['class']}, capturing {r.get('layers_to_capture')}): {r}")
+    assert "error" not in r, r["error"]
     if "logits" in r:
         ours = torch.load(exported[name]["reference"])["logits"]
         diff = (torch.load(r["logits"]) - ours).abs().max().item()
         pytest.fail(f"SGLang loads {name}'s eagle3/ ({r['class']}); its logits differ from ours by {diff:.3g}")
     assert "refused" in r, f"SGLang loads {name}'s eagle3/: {r}"
     assert "Eagle3LlamaForCausalLM" in r["refused"]
+
+
+@pytest.mark.parametrize("name", [v.name for v in EAGLE3 if v.refused])
+def test_refused_eagle3_has_no_sglang_directory(sglang_results, exported, name):
+    """Aux id L and unsorted aux ids are refused at export (no eagle3/). Were the directory written, the probe ran
+    it through SGLang: with id L its `layers_to_capture` names layer L, which the target's layer loop never reaches
+    (so SGLang never captures it); with unsorted ids SGLang captures in layer order, and its logits are not ours."""
+    r = sglang_results.get(name)
+    if r is not None:
+        assert "error" not in r, r["error"]
+        if "never_captured" in r:
+            pytest.fail(f"{name}: eagle3/ was written; SGLang never captures target layer(s) {r['never_captured']}")
+        if "logits" in r:
+            ours = torch.load(exported[name]["reference"])["logits"]
+            diff = (torch.load(r["logits"]) - ours).abs().max().item()
+            pytest.fail(f"{name}: eagle3/ was written; SGLang loads it and its logits differ from ours by {diff:.3g}")
+        pytest.fail(f"{name}: eagle3/ was written ({r})")
+    assert not (Path(exported[name]["export"]) / "eagle3").exists()
