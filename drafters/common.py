@@ -54,6 +54,7 @@ class DrafterConfigMixin:
     hidden_act: str
     rope_theta: float
     extra: dict[str, Any]
+    confidence_temperatures: list[float] | None
 
     def layer_config(self) -> LlamaConfig:
         # rope_theta is a constructor argument in transformers 4.x; 5.x still accepts it (folding it into
@@ -103,6 +104,13 @@ class DrafterBase(torch.nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         scale = self.rotary.attention_scaling
         return (emb.cos() * scale).to(like.dtype), (emb.sin() * scale).to(like.dtype)
+
+    def calibrated(self, conf_logits: torch.Tensor, slot: int) -> torch.Tensor:
+        """Confidence probability of draft position `slot` after the fitted temperature scaling (positions past the
+        fitted ones take the last temperature)."""
+        temps = self.config.confidence_temperatures
+        t = temps[min(slot, len(temps) - 1)] if temps else 1.0
+        return torch.sigmoid(conf_logits.float() / t)
 
     def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """model.safetensors + config.json. `state_dict` overrides the module's own (e.g. gathered under ZeRO-3)."""

@@ -209,12 +209,6 @@ class DSparkDrafter(DrafterBase):
         prev = prev.to(h.dtype)
         return base + self.markov_head(prev), self.confidence_head(torch.cat([h, prev], dim=-1))
 
-    def calibrated(self, conf_logits: torch.Tensor, slot: int) -> torch.Tensor:
-        """Confidence probability of slot `slot` after the fitted temperature scaling."""
-        temps = self.config.confidence_temperatures
-        t = temps[slot] if temps else 1.0
-        return torch.sigmoid(conf_logits.float() / t)
-
     # ----------------------------------------------------------------------------------------- training
 
     def forward(

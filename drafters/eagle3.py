@@ -50,6 +50,8 @@ class Eagle3Config(DrafterConfigMixin):
     hidden_act: str = "silu"
     confidence_hidden: int = 256
     """Width of the confidence head's hidden layer."""
+    confidence_temperatures: list[float] | None = None
+    """Per-step temperatures of the confidence logits fitted on held-out data (None: uncalibrated)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Target config fields kept for export (e.g. rope scaling, bos/eos ids)."""
 

@@ -257,6 +257,25 @@ def dspark_objective(
 
 
 @torch.no_grad()
+def eagle3_calibration_data(model, batch: TrainBatch, head_weight: torch.Tensor, s: ObjectiveSettings):
+    """(confidence logits, acceptance probabilities, validity), each [chains, steps]: the chain started at slot t
+    drafts token t+2+i at TTT step i, exactly as it would be drafted at inference."""
+    device = head_weight.device
+    input_ids = batch["input_ids"].to(device)
+    loss_mask = (batch["loss_mask"].to(device) > 0) & batch["attention_mask"].to(device)
+    draft_ids = draft_to_target_ids(model.d2t)
+    teacher = teacher_from_final(batch["final"].to(device), head_weight, draft_ids, s.temperature)
+    outs = model.ttt_forward(batch["aux"].to(device), input_ids, s.steps)
+    conf = torch.stack([c.float() for _, c in outs], -1)
+    alpha = torch.stack(
+        [acceptance(lg, teacher.shifted(1 + i), draft_ids, s.temperature) for i, (lg, _) in enumerate(outs)], -1
+    )
+    # a chain reaches step i only while every earlier step had a supervised token
+    valid = torch.stack([shift(loss_mask, 2 + i) for i in range(s.steps)], -1).long().cumprod(-1).bool()
+    keep = valid[..., 0]
+    return conf[keep], alpha[keep], valid[keep]
+
+
 def dspark_calibration_data(model, batch: TrainBatch, head_weight: torch.Tensor, s: DSparkObjectiveSettings):
     """(confidence logits, acceptance probabilities, validity), each [blocks, γ], for fitting the temperatures."""
     logits, conf, teacher, valid, draft_ids = _dspark_forward(model, batch, head_weight, s, model)

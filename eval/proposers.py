@@ -10,9 +10,10 @@ the distributions they were sampled from), then learn what the target committed.
 A proposer of a trained drafter keeps its cache like the target's (`eval.runner`): one entry per slot of every row,
 the slots a row did not keep masked as holes, so each row drafts exactly what it would alone.
 
-Adaptive length (`confidence_threshold`): whether a row drafts position i is decided from the drafter's confidence
-c_i, which is read before x_i is drawn, and the running survival c_0 * ... * c_{i-1}: position i >= 1 is dropped,
-with all after it, once c_0 * ... * c_i falls below the threshold. Keeping x_i therefore never depends on x_i
+Adaptive length: whether a row drafts position i is decided from the drafter's confidence c_i, which is read before
+x_i is drawn, and the running survival c_0 * ... * c_{i-1}. With `confidence_threshold`, position i >= 1 is dropped,
+with all after it, once c_0 * ... * c_i falls below the threshold; with a `schedule` (`eval.schedule`), positions
+are admitted while they raise the expected tokens per second of the round (eval.schedule.CostSchedule). Keeping x_i therefore never depends on x_i
 (non-anticipating), and the emitted tokens stay distributed exactly as the target's. A row draws its tokens from its
 own generator, and only for the positions it drafts, so a row's sampled output does not depend on its batch.
 """
@@ -26,6 +27,7 @@ import torch
 
 from draftsmith.drafters.vocab import draft_to_target_ids
 from draftsmith.eval.sampling import SamplingParams, probs_from_logits, sample
+from draftsmith.eval.schedule import CostSchedule
 from draftsmith.eval.tree import Tree, prune
 
 
@@ -99,6 +101,11 @@ class TrainedProposer(NoDraft):
     pos: torch.Tensor
     """[B] (CPU): each row's next position (set by `start`)."""
 
+    schedule: CostSchedule | None = None
+    """The cost-based admission rule (set by eval; None: the threshold rule, or fixed lengths)."""
+    c0: torch.Tensor
+    """[B] each row's first-slot confidence of the last round it drafted (what the schedule predicts from)."""
+
     def __init__(self, drafter, confidence_threshold: float | None = None):
         self.drafter = drafter.eval()
         self.device = next(drafter.parameters()).device
@@ -121,10 +128,26 @@ class TrainedProposer(NoDraft):
 
     def _admit(self, i: int, conf: torch.Tensor, survival: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
         """The rows that draft position i: those still drafting whose running survival with c_i (`conf` [B], read
-        before x_i is drawn) stays at or above the threshold; position 0 is always drafted."""
+        before x_i is drawn) stays at or above the threshold; position 0 is always drafted. With a schedule, the rows
+        whose slot i raises the round's expected tokens per second."""
+        if self.schedule is not None:
+            return self.schedule.admit(i, conf, survival, drafting)
         if self.threshold is None or i == 0:
             return drafting
         return drafting & (survival * conf >= self.threshold)
+
+    def _reset_schedule(self, rows: int) -> None:
+        """A new decode of `rows` rows: no first-slot confidence seen yet (taken as 1: the first round drafts)."""
+        self.c0 = torch.ones(rows, dtype=torch.float64)
+        if self.schedule is not None:
+            self.schedule.reset()
+
+    def _skip_round(self, active) -> bool:
+        """Whether this round drafts nothing at all (a plain target step, with no drafter work), decided by the
+        schedule from the rows' first-slot confidences of earlier rounds: never from this round's drafts."""
+        if self.schedule is None:
+            return False
+        return not self.schedule.worth_drafting(self.c0, torch.tensor(list(active), dtype=torch.bool))
 
     def _chain(self, k: int, active, params, generators, step) -> Proposal:
         """Draft up to k positions per active row. `step(i, tokens)` gives (draft-vocab logits [B, D], confidence
@@ -135,9 +158,18 @@ class TrainedProposer(NoDraft):
         drafts: list[list[int]] = [[] for _ in range(B)]
         confs: list[list[float]] = [[] for _ in range(B)]
         qs, x = [], None
+        seen = getattr(self, "c0", None)
+        if seen is None or seen.shape[0] != B:  # a chain drafted without `start`
+            self.c0 = torch.ones(B, dtype=torch.float64)
+        if self.schedule is not None:
+            self.schedule.begin(drafting)
         for i in range(k):
+            if i > 0 and self.schedule is not None and self.schedule.halted:
+                break  # decided from confidences up to slot i-1: another draft step cannot pay
             logits, conf = step(i, x)
             c = conf.double().cpu()
+            if i == 0:  # what the schedule predicts the next rounds from
+                self.c0 = torch.where(drafting, c, self.c0)
             drafting = self._admit(i, c, survival, drafting)
             if not drafting.any():
                 break
@@ -178,9 +210,28 @@ class Eagle3Proposer(TrainedProposer):
         logits, conf, h = self._extend(feats, nxt, valid, positions)
         self.pos = torch.tensor([len(p) for p in prompts])  # next step-0 position per row
         self.last = (logits[:, -1], conf[:, -1], h[:, -1:])
+        self.pending: list[tuple[torch.Tensor, ...]] = []
+        self._reset_schedule(B)
+
+    def _sync(self) -> None:
+        """Run the drafter over the verified slots it has not seen (rounds it skipped, then the last one), in one
+        pass: the cache ends as if every round had been committed at once. Its last slot per row gives step 0."""
+        if not self.pending:
+            return
+        feats, toks, valid, positions = (torch.cat([c[i] for c in self.pending], 1) for i in range(4))
+        self.pending = []
+        logits, conf, h = self._extend(feats, toks, valid, positions)
+        n = valid.shape[1]
+        idx = (n - 1 - valid.flip(1).int().argmax(1)).to(self.device)  # each row's last verified slot
+        rows = torch.arange(valid.shape[0], device=self.device)
+        self.last = (logits[rows, idx], conf[rows, idx], h[rows, idx].unsqueeze(1))
 
     @torch.no_grad()
     def propose(self, histories, active, k, params, generators):
+        self.round_start = self.key_mask.shape[1]
+        if self._skip_round(active):
+            return Proposal([[] for _ in histories])
+        self._sync()
         self.round_start = self.key_mask.shape[1]
         state = {"h": self.last[2]}
 
@@ -199,7 +250,7 @@ class Eagle3Proposer(TrainedProposer):
                     key_mask=self.key_mask,
                 )
                 logits, conf = out[:, 0], cf[:, 0]
-            return logits, torch.sigmoid(conf)
+            return logits, self.drafter.calibrated(conf, i)
 
         return self._chain(k, active, params, generators, step)
 
@@ -265,11 +316,12 @@ class Eagle3Proposer(TrainedProposer):
             toks[b, : n + 1] = torch.tensor(list(drafts[b][:n]) + [news[b]])
             valid[b, : n + 1] = True
         positions = self.pos[:, None] + torch.arange(k1)[None, :]
-        logits, conf, h = self._extend(feats[:, :k1], toks, valid, positions)
-        idx = torch.tensor(list(accepted), device=self.device)
-        rows = torch.arange(B, device=self.device)
-        self.last = (logits[rows, idx], conf[rows, idx], h[rows, idx].unsqueeze(1))
         self.pos += torch.tensor(list(accepted)) + 1
+        # With a schedule the drafter sees the verified slots when it next drafts (`_sync`): a round that drafts
+        # nothing costs it nothing. Without one, at once (the same cache either way).
+        self.pending.append((feats[:, :k1].to(self.device), toks, valid, positions))
+        if self.schedule is None:
+            self._sync()
 
 
 class DSparkProposer(TrainedProposer):
@@ -299,9 +351,21 @@ class DSparkProposer(TrainedProposer):
         self._extend(feats, valid, (valid.long().cumsum(1) - 1).clamp_min(0))
         self.pos = torch.tensor([len(p) for p in prompts])  # anchor position per row
         self.anchor = torch.tensor(list(firsts))
+        self.pending: list[tuple[torch.Tensor, ...]] = []
+        self._reset_schedule(valid.shape[0])
+
+    def _sync(self) -> None:
+        """Project the verified slots the drafter has not seen into its context, in one pass."""
+        if self.pending:
+            feats, valid, positions = (torch.cat([c[i] for c in self.pending], 1) for i in range(3))
+            self.pending = []
+            self._extend(feats, valid, positions)
 
     @torch.no_grad()
     def propose(self, histories, active, k, params, generators):
+        if self._skip_round(active):
+            return Proposal([[] for _ in histories])
+        self._sync()
         k = min(k, self.length)
         h, base = self.drafter.draft_block(
             self.cache, self.anchor.to(self.device), self.pos.to(self.device), context_mask=self.key_mask
@@ -320,6 +384,9 @@ class DSparkProposer(TrainedProposer):
         rest holes; the new anchors are `news`."""
         k1 = max(accepted) + 1
         valid = torch.arange(k1)[None, :] < (torch.tensor(list(accepted)) + 1)[:, None]
-        self._extend(feats[:, :k1], valid, self.pos[:, None] + torch.arange(k1)[None, :])
+        # with a schedule, projected when the drafter next drafts (`_sync`); without, at once (the same context)
+        self.pending.append((feats[:, :k1].to(self.device), valid, self.pos[:, None] + torch.arange(k1)[None, :]))
+        if self.schedule is None:
+            self._sync()
         self.pos += torch.tensor(list(accepted)) + 1
         self.anchor = torch.tensor(list(news))

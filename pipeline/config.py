@@ -362,6 +362,17 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
+    @model_validator(mode="after")
+    def _threshold_schedule(self) -> EvalConfig:
+        if self.schedule == "threshold" and self.confidence_threshold is None:
+            raise ValueError("eval.schedule=threshold needs eval.confidence_threshold")
+        return self
+
+    def resolved_schedule(self) -> str:
+        if self.schedule != "auto":
+            return self.schedule
+        return "threshold" if self.confidence_threshold is not None else "cost"
+
     sources: list[SourceConfig] = [SourceConfig(builtin="mtbench"), SourceConfig(builtin="humaneval")]
     """Prompt sets to evaluate on (first user turn of each record), with their domain labels."""
     max_prompts: int | None = Field(None, ge=1)
@@ -395,6 +406,13 @@ class EvalConfig(Section):
     """Trained drafter directory; None: RUN_DIR/train/best, else RUN_DIR/train/final."""
     confidence_threshold: float | None = Field(None, gt=0.0, lt=1.0)
     """Adaptive draft length: stop drafting once the product of confidences falls below this (None: off)."""
+    schedule: Literal["auto", "fixed", "threshold", "cost"] = "auto"
+    """How many slots a trained drafter has verified each round: `fixed` (draft_length), `threshold`
+    (confidence_threshold), `cost` (admit a slot only while it raises the expected tokens per second, from the
+    drafter's confidences and a cost table measured at the start of eval). `auto`: threshold when
+    confidence_threshold is set, else cost."""
+    cost_rounds: int = Field(6, ge=2)
+    """Decoding rounds timed per (batch size, chain length) when measuring the cost table."""
     prompt_lookup_max_ngram: int = Field(3, ge=1)
     """Longest n-gram the prompt-lookup baseline matches."""
     seed: int = 0

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,14 @@ from tqdm.auto import tqdm
 from draftsmith.data.artifacts import atomic_write_text, write_manifest
 from draftsmith.data.chat import prompt_ids, stop_token_ids
 from draftsmith.data.sources import iter_conversations
+from draftsmith.eval.costs import cached_costs, measure_costs
 from draftsmith.eval.engine import TreeSpec, decode
 from draftsmith.eval.metrics import acceptance_stats, calibration
-from draftsmith.eval.proposers import NoDraft, PromptLookup
+from draftsmith.eval.proposers import NoDraft, PromptLookup, TrainedProposer
 from draftsmith.eval.report import markdown_table, plots
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
+from draftsmith.eval.schedule import CostSchedule
 from draftsmith.pipeline.completion import clear, stage_inputs, write_progress
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
@@ -86,7 +89,12 @@ def _proposers(cfg: RunConfig, target, drafter: str | None, tree: TreeSpec | Non
         if tree is not None and not family.trees:
             raise StageError(f"the {d.name} drafter drafts no trees: leave eval.tree_depth unset")
         proposers[d.name] = family.proposer(d, e)
-        info[d.name] = {"path": str(path), "family": d.name, "aux_layer_ids": d.config.aux_layer_ids}
+        info[d.name] = {
+            "path": str(path),
+            "family": d.name,
+            "aux_layer_ids": d.config.aux_layer_ids,
+            "config": d.config.to_dict(),
+        }
         calib = path / "calibration.json"
         if calib.is_file():
             info[d.name]["calibration"] = json.loads(calib.read_text())
@@ -140,6 +148,50 @@ class _Decoder:
         return by, diverged
 
 
+def _schedules(cfg: RunConfig, decoder: _Decoder, target, drafter_info, prompts) -> dict[str, Any]:
+    """Set each trained proposer's admission rule (eval.schedule); for `cost`, measure (or reuse) its cost table.
+    Returns the tables for the record."""
+    e = cfg.eval
+    mode, out = e.resolved_schedule(), {}
+    if decoder.tree is not None:
+        mode = "fixed"  # a tree is verified whole: its size is eval.tree_nodes
+    batches = sorted({1, e.batch_size})
+    cache = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")) / "costs"
+    for name, proposer in decoder.proposers.items():
+        if not isinstance(proposer, TrainedProposer):
+            continue
+        proposer.schedule = None
+        if mode != "threshold":
+            proposer.threshold = None
+        if mode != "cost":
+            continue
+        key = {
+            "target": json.dumps(target.identity, sort_keys=True),
+            "dtype": str(target.model.dtype),
+            "device": str(target.device),
+            "drafter": json.dumps(drafter_info.get(name, {}).get("config"), sort_keys=True),
+            "batches": batches,
+            "gamma": decoder.gammas[name],
+            "rounds": e.cost_rounds,
+        }
+
+        def measure(name=name, proposer=proposer):
+            log.info("eval: measuring the cost table of %s (batch sizes %s)", name, batches)
+            return measure_costs(
+                decoder.runners[name],
+                proposer,
+                [p["ids"] for p in prompts],
+                batches,
+                decoder.gammas[name],
+                e.cost_rounds,
+            )
+
+        table, cached = cached_costs(cache, key, measure)
+        proposer.schedule = CostSchedule(table)
+        out[name] = {"cached": cached, **asdict(table)}
+    return out
+
+
 def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     e = cfg.eval
     layout = RunLayout.of(cfg)
@@ -174,6 +226,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         by_domain[p["domain"]].append(p)
     batches = [group[i : i + e.batch_size] for group in by_domain.values() for i in range(0, len(group), e.batch_size)]
     mine = batches[state.process_index :: state.num_processes]
+    costs = _schedules(cfg, decoder, target, drafter_info, batches[0])
     # Warm-up, untimed: the first calls of a process pay for allocations and kernel selection; without this,
     # whichever drafter runs first (plain decoding) absorbs them and every speedup is biased upward.
     for name in proposers:
@@ -187,8 +240,10 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         "draft_lengths": decoder.gammas,
         "prompts": len(prompts),
         "processes": state.num_processes,
+        "schedule": e.resolved_schedule(),
     }
     ev: dict[str, Any] = {"target": target.identity, "drafters": drafter_info, "settings": settings, "complete": False}
+    ev["costs"] = costs
     ev["runs"] = []
     rank = f" (rank {state.process_index})" if state.num_processes > 1 else ""
     for temperature in e.temperatures:
@@ -245,11 +300,31 @@ def _report(layout: RunLayout, inputs, ev: dict[str, Any], target, model, drafte
     layout.eval_report.write_text(
         f"# draftsmith eval\n\nTarget: `{target.identity['name']}`; trained drafters: "
         f"{trained_list}; device {target.device}, "
-        f"{model.dtype}; {n_prompts} prompts.\n\n{table}\n" + "".join(f"\n![{w}]({w})\n" for w in written)
+        f"{model.dtype}; {n_prompts} prompts; schedule {ev['settings']['schedule']}.\n\n{table}\n"
+        + _cost_lines(ev.get("costs", {}))
+        + "".join(f"\n![{w}]({w})\n" for w in written)
     )
     files = [layout.eval_json.name, layout.eval_report.name, *written]
     write_manifest(out, "eval", inputs=inputs, target=target.identity, drafters=drafter_info, files=files)
     console.print(table, highlight=False)
+
+
+def _cost_lines(costs: dict[str, Any]) -> str:
+    """The cost tables the schedule decided from, as markdown (ms per target pass by batch and width)."""
+    lines = []
+    for name, t in costs.items():
+        widths = sorted({int(w) for row in t["verify"].values() for w in row})
+        lines += [
+            f"\n### Cost table: {name} ({'cached' if t['cached'] else 'measured at the start of eval'})\n",
+            "| batch | " + " | ".join(f"verify {w} slot(s)" for w in widths) + " | draft round | draft step |",
+            "|---" * (len(widths) + 3) + "|",
+        ]
+        for b, row in sorted(t["verify"].items(), key=lambda kv: int(kv[0])):
+            cells = " | ".join(f"{1e3 * row[w]:.1f} ms" if w in row else "-" for w in widths)
+            lines.append(
+                f"| {b} | {cells} | {1e3 * t['draft_round'].get(b, 0.0):.1f} ms | {1e3 * t['draft_step'].get(b, 0.0):.1f} ms |"
+            )
+    return "\n".join(lines) + ("\n" if lines else "")
 
 
 def _gather_results(by: dict[str, dict[str, list]], diverged: Counter) -> tuple[dict[str, dict[str, list]], Counter]:

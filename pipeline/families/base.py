@@ -15,6 +15,8 @@ The stages call, in order:
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +24,13 @@ from typing import Any, Protocol
 
 import torch
 
+from draftsmith.data.artifacts import atomic_write_text
+from draftsmith.drafters.calibration import fit_sequential_temperatures, survival_ece
 from draftsmith.drafters.objectives import TrainBatch
 from draftsmith.pipeline.config import FamilySettings
+from draftsmith.pipeline.console import console
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,58 @@ class Family:
     """Runs on every rank for best/ and final/ once they are on disk (e.g. fit confidence temperatures)."""
     trees: bool = False
     """The proposer drafts token trees (eval.tree_depth)."""
+
+
+@torch.no_grad()
+def calibrate_confidences(trainer: TrainContext, directory: Path, data_fn: Callable, unit: str) -> None:
+    """Fit the confidence temperatures of the drafter in `directory` on the whole holdout split and write them
+    into its config. Every rank computes the confidences of its share of the holdout batches (a long
+    calibration on one rank would leave the others waiting in a collective until the NCCL timeout); the main
+    process gathers them, fits and writes. `data_fn(model, batch, head, objective settings)` gives (confidence
+    logits, acceptance probabilities, validity), each [N, positions], the family's own (its objectives module);
+    the section's `calibrate` and `calibration_bins` say whether and how."""
+    from accelerate.utils import gather_object
+
+    from draftsmith.pipeline.families import load_drafter  # the registry imports this module
+
+    if not trainer.section.calibrate:
+        return
+    acc = trainer.accelerator
+    model = load_drafter(directory).to(trainer.device).eval()  # complete on disk under every ZeRO stage
+    head = trainer.head_weight.float()
+    parts = [tuple(t.cpu() for t in data_fn(model, batch, head, trainer.settings)) for batch in trainer.holdout_share()]
+    if acc.num_processes > 1:
+        parts = gather_object(parts)
+    if not acc.is_main_process:
+        return
+    if not parts or sum(p[0].shape[0] for p in parts) == 0:
+        log.warning("train: no %s to calibrate %s on; confidences left uncalibrated", unit, directory)
+        return
+    conf, alpha, valid = (torch.cat([p[i] for p in parts]) for i in range(3))
+    bins = trainer.section.calibration_bins
+    before = survival_ece(conf, alpha, valid, [1.0] * conf.shape[1], bins)
+    temps = fit_sequential_temperatures(conf, alpha, valid, bins)
+    after = survival_ece(conf, alpha, valid, temps, bins)
+    cfg_path = directory / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    raw["confidence_temperatures"] = temps
+    atomic_write_text(cfg_path, json.dumps(raw, indent=2))
+    report = {
+        "samples": int(conf.shape[0]),
+        "temperatures": temps,
+        "survival_ece_before": before,
+        "survival_ece_after": after,
+        "bins": bins,
+        "temperature": trainer.temperature,
+        "ranks": acc.num_processes,
+    }
+    atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2))
+    console.print(
+        f"calibrated {directory.name}/: survival ECE by position {[f'{e:.3f}' for e in before]} -> "
+        f"{[f'{e:.3f}' for e in after]} ({conf.shape[0]} {unit})",
+        highlight=False,
+        markup=False,
+    )
 
 
 def engine_refusal(aux_layer_ids: list[int], target_config) -> str | None:

@@ -21,13 +21,10 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from draftsmith.data.artifacts import atomic_write_text
-from draftsmith.drafters.calibration import fit_sequential_temperatures, survival_ece
 from draftsmith.drafters.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.drafters.objectives import DSparkObjectiveSettings, dspark_calibration_data, dspark_objective
 from draftsmith.eval.proposers import DSparkProposer
-from draftsmith.pipeline.console import console
-from draftsmith.pipeline.families import load_drafter, register
+from draftsmith.pipeline.families import register
 from draftsmith.pipeline.families.base import (
     ExportContext,
     ExportedDirectory,
@@ -35,6 +32,7 @@ from draftsmith.pipeline.families.base import (
     FamilySettings,
     TargetParts,
     TrainContext,
+    calibrate_confidences,
     engine_refusal,
     implied_vocab,
     load_renamed_weights,
@@ -110,55 +108,8 @@ def proposer(drafter: DSparkDrafter, e: Any) -> DSparkProposer:
     return DSparkProposer(drafter, e.confidence_threshold, draft_length=e.block_draft_length)
 
 
-@torch.no_grad()
 def calibrate(trainer: TrainContext, directory: Path) -> None:
-    """Fit the confidence temperatures of the drafter in `directory` on the whole holdout split and write them
-    into its config. Every rank computes the confidences of its share of the holdout batches (a long
-    calibration on one rank would leave the others waiting in a collective until the NCCL timeout); the main
-    process gathers them, fits and writes."""
-    from accelerate.utils import gather_object
-
-    if not trainer.section.calibrate:
-        return
-    acc = trainer.accelerator
-    model = load_drafter(directory).to(trainer.device).eval()  # complete on disk under every ZeRO stage
-    head = trainer.head_weight.float()
-    parts = [
-        tuple(t.cpu() for t in dspark_calibration_data(model, batch, head, trainer.settings))
-        for batch in trainer.holdout_share()
-    ]
-    if acc.num_processes > 1:
-        parts = gather_object(parts)
-    if not acc.is_main_process:
-        return
-    if not parts or sum(p[0].shape[0] for p in parts) == 0:
-        log.warning("train: no holdout blocks to calibrate %s on; confidences left uncalibrated", directory)
-        return
-    conf, alpha, valid = (torch.cat([p[i] for p in parts]) for i in range(3))
-    bins = trainer.section.calibration_bins
-    before = survival_ece(conf, alpha, valid, [1.0] * conf.shape[1], bins)
-    temps = fit_sequential_temperatures(conf, alpha, valid, bins)
-    after = survival_ece(conf, alpha, valid, temps, bins)
-    cfg_path = directory / "config.json"
-    raw = json.loads(cfg_path.read_text())
-    raw["confidence_temperatures"] = temps
-    atomic_write_text(cfg_path, json.dumps(raw, indent=2))
-    report = {
-        "blocks": int(conf.shape[0]),
-        "temperatures": temps,
-        "survival_ece_before": before,
-        "survival_ece_after": after,
-        "bins": bins,
-        "temperature": trainer.temperature,
-        "ranks": acc.num_processes,
-    }
-    atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2))
-    console.print(
-        f"calibrated {directory.name}/: survival ECE by position {[f'{e:.3f}' for e in before]} -> "
-        f"{[f'{e:.3f}' for e in after]} ({conf.shape[0]} holdout blocks)",
-        highlight=False,
-        markup=False,
-    )
+    calibrate_confidences(trainer, directory, dspark_calibration_data, "holdout blocks")
 
 
 # ------------------------------------------------------------------------------------------ export

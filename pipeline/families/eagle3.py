@@ -31,7 +31,7 @@ import torch
 from pydantic import Field
 
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from draftsmith.drafters.objectives import ObjectiveSettings, eagle3_objective
+from draftsmith.drafters.objectives import ObjectiveSettings, eagle3_calibration_data, eagle3_objective
 from draftsmith.eval.proposers import Eagle3Proposer
 from draftsmith.pipeline.families import register
 from draftsmith.pipeline.families.base import (
@@ -40,6 +40,8 @@ from draftsmith.pipeline.families.base import (
     Family,
     FamilySettings,
     TargetParts,
+    TrainContext,
+    calibrate_confidences,
     engine_refusal,
     implied_vocab,
     load_renamed_weights,
@@ -62,6 +64,11 @@ class Eagle3Settings(FamilySettings):
     """Weight of the confidence head's BCE loss."""
     init_head_from_target: bool = True
     """Start the (trainable) `lm_head` from the target's LM head rows of the draft vocab instead of random."""
+    calibrate: bool = True
+    """Fit sequential temperature scaling of the confidences on the holdout split after training (what eval's
+    cost schedule predicts acceptance from)."""
+    calibration_bins: int = Field(10, ge=2)
+    """Equal-width bins of the expected calibration error the temperatures minimize."""
 
 
 def build(parts: TargetParts, s: Eagle3Settings) -> Eagle3Drafter:
@@ -75,6 +82,10 @@ def objective_settings(train: Any, s: Eagle3Settings, seed: int) -> ObjectiveSet
     return ObjectiveSettings(
         s.ttt_steps, s.step_decay, s.loss, train.temperature, s.confidence_weight, train.gradient_checkpointing
     )
+
+
+def calibrate(trainer: TrainContext, directory: Path) -> None:
+    calibrate_confidences(trainer, directory, eagle3_calibration_data, "holdout chains")
 
 
 def proposer(drafter: Eagle3Drafter, e: Any) -> Eagle3Proposer:
@@ -293,6 +304,7 @@ FAMILY = register(
         proposer=proposer,
         export=export,
         import_export=import_export,
+        after_training=calibrate,
         trees=True,
     )
 )

@@ -206,3 +206,43 @@ def test_the_objectives_offsets_slot_t_at_step_i_predicts_token_t_plus_2_plus_i(
             if loss_mask[b, t + 2 + i]
         )
         assert abs(float(stats[f"loss_{i}"]) - entropy) < 1e-6, i
+
+
+def test_calibration_data_is_what_the_objective_scores_per_chain(test_device):
+    """The calibration data of a chain started at slot t is step i's confidence and exact acceptance at that slot:
+    at step 0 they sum to the objective's own statistics; a chain reaches step i only while every earlier step had
+    a supervised token; and calibrated() applies one temperature per position (the last one past the fitted)."""
+    from draftsmith.drafters.objectives import ObjectiveSettings, eagle3_calibration_data, eagle3_objective
+
+    model = _drafter(device=test_device)
+    B, T, steps = 2, 14, 3
+    g = torch.Generator().manual_seed(1)
+    loss_mask = torch.zeros(B, T, dtype=torch.uint8)
+    loss_mask[0, 3:9] = 1
+    loss_mask[1, 5:14] = 1
+    loss_mask[1, 9] = 0  # a hole: chains crossing it stop there
+    batch = {
+        "input_ids": torch.randint(0, 97, (B, T), generator=g),
+        "loss_mask": loss_mask,
+        "attention_mask": torch.ones(B, T, dtype=torch.bool),
+        "aux": torch.randn(B, T, 3 * 24, generator=g, dtype=torch.float64),
+        "final": torch.randn(B, T, 32, generator=g, dtype=torch.float64),
+        "ids": ["a", "b"],
+        "domains": ["x", "x"],
+        "epoch": 0,
+    }
+    head = torch.randn(97, 32, generator=g, dtype=torch.float64).to(test_device)
+    s = ObjectiveSettings(steps=steps, temperature=1.0)
+    with torch.no_grad():
+        conf, alpha, valid = eagle3_calibration_data(model, batch, head, s)
+        _, stats = eagle3_objective(model, batch, head, s)
+    assert conf.shape == alpha.shape == valid.shape == (int(stats["n_0"]), steps) and valid[:, 0].all()
+    assert torch.allclose(torch.sigmoid(conf[:, 0]).sum(), stats["conf_0"]) and torch.allclose(
+        alpha[:, 0].sum(), stats["accept_0"]
+    )
+    assert (valid[:, 1:] <= valid[:, :-1]).all() and not valid.all()  # prefix-closed, and the hole cut some chains
+    model.config.confidence_temperatures = [0.5, 2.0]
+    logit = torch.tensor([1.0], dtype=torch.float64)
+    assert [float(model.calibrated(logit, i)) for i in range(3)] == [
+        float(torch.sigmoid(logit.float() / t)) for t in (0.5, 2.0, 2.0)
+    ]

@@ -41,7 +41,8 @@ def test_eval_stage(tmp_path):
         f"data: {{sources: [{{path: {data}, domain_field: category}}], holdout_fraction: 0.3}}\n"
         "collect: {aux_layer_ids: [1, 2, 4], dtype: float32}\n"
         "train: {max_steps: 3, batch_tokens: 256, draft_vocab_size: 300, eagle3: {ttt_steps: 2}, eval_every: 1000}\n"
-        f"eval: {{sources: [{{path: {data}, domain_field: category}}], max_new_tokens: 12, draft_length: 3}}\n"
+        f"eval: {{sources: [{{path: {data}, domain_field: category}}], max_new_tokens: 12, draft_length: 3, "
+        "schedule: fixed}\n"
     )
     cfg = load_config(recipe, [f"run_dir={tmp_path / 'run'}"])
     run_prepare(cfg)
@@ -115,6 +116,17 @@ def test_eval_stage(tmp_path):
     assert e3["draft_ms_per_round"] > 0 and e3["verify_ms_per_pass"] > 0
     assert abs(e3["draft_cost_vs_target_pass"] - e3["draft_ms_per_round"] / e3["verify_ms_per_pass"]) < 1e-9
     assert json.loads((out / "eval.json").read_text()) == ev  # the first evaluation is untouched
+
+    # the cost schedule: a cost table measured through the engine at the batch sizes eval runs, in the record and
+    # the report; greedy output still the target's own
+    argv = ["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.schedule=cost"]
+    assert main([*argv, "eval.batch_size=2", "eval.output=eval-cost", "eval.drafters=[none,trained]"]) == 0
+    cost = json.loads((tmp_path / "run" / "eval-cost" / "eval.json").read_text())
+    table = cost["costs"]["eagle3"]
+    assert set(table["verify"]) == {"1", "2"} and set(table["verify"]["2"]) == {"1", "2", "3", "4"}
+    assert all(v > 0 for row in table["verify"].values() for v in row.values()) and not table["cached"]
+    assert cost["settings"]["schedule"] == "cost" and cost["runs"][0]["greedy_divergence"]["eagle3"]["prompts"] == 0
+    assert "Cost table: eagle3" in (tmp_path / "run" / "eval-cost" / "report.md").read_text()
 
     # under torchrun (2 gloo ranks) each rank decodes a share of the batches; the merged greedy results are the
     # single process's, count for count; then export (a single-writer stage) under the same launch

@@ -43,7 +43,8 @@ data: {{sources: [{{path: {prompts}, domain_field: topic}}], holdout_fraction: 0
 collect: {{aux_layer_ids: [1, 2, 3], dtype: float32}}
 train: {{drafters: [eagle3, dspark], eagle3: {{ttt_steps: 3}}, draft_vocab_size: 384, batch_tokens: 512, lr: 0.005, epochs: 40, eval_every: 50,
         log_every: 25, dspark: {{block_size: 4, num_layers: 1, markov_rank: 16, anchors_per_sequence: 16}}}}
-eval: {{sources: [{{path: {prompts}, domain_field: topic}}], temperatures: [0.0], max_new_tokens: 32, draft_length: 3, batch_size: 1}}
+eval: {{sources: [{{path: {prompts}, domain_field: topic}}], temperatures: [0.0], max_new_tokens: 32, draft_length: 3, batch_size: 1,
+       schedule: fixed}}
 export: {{dtype: float32}}
 """)
     return recipe
@@ -69,6 +70,9 @@ def test_run_end_to_end_and_resume(tmp_path, tiny_recipe):
         assert (run / "train" / family / "final" / "model.safetensors").is_file()
     calibration = json.loads((run / "train" / "dspark" / "final" / "calibration.json").read_text())
     assert len(calibration["temperatures"]) == 4
+    # EAGLE-3's confidences too, one temperature per TTT step (what eval's cost schedule predicts from)
+    calibration = json.loads((run / "train" / "eagle3" / "final" / "calibration.json").read_text())
+    assert len(calibration["temperatures"]) == 3
     for fmt in ("eagle3", "speculators", "dspark"):
         assert (run / "export" / fmt / "config.json").is_file(), fmt
     ev = json.loads((run / "eval" / "eval.json").read_text())

@@ -1,0 +1,94 @@
+"""Measuring the cost table (eval.schedule.CostTable) on the machine at hand, through the decoding engine itself.
+
+For each batch size, the engine decodes a batch of real prompts greedily with a fixed chain length γ = 0 (plain
+decoding) ... γmax and a fixed number of rounds, three times (the median is kept); the engine's own timers give each
+round's verification time (one target pass `γ + 1` slots wide, with the acceptance rule) and drafting time. Drafting time per round is fitted as
+`round + (γ − 1) · step` (least squares over γ = 1 ... γmax): `round` is what a round costs whatever it drafts (the
+drafter's update with the verified tokens and its first position or block), `step` each further position. Timing
+through `decode` rather than bare forwards means the table holds what the scheduler will actually pay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from draftsmith.eval.engine import decode
+from draftsmith.eval.proposers import NoDraft
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.schedule import CostTable
+
+
+def _per_round(results, field: str) -> float:
+    """Seconds per batch round of a decode (each row's share times the rows, over the batch's rounds)."""
+    rounds = max(len(r.rounds) for r in results)
+    return sum(getattr(r, field) for r in results) / max(rounds, 1)
+
+
+def _timed(run, repeats: int) -> tuple[float, float]:
+    """Median over `repeats` decodes of (verify, draft) seconds per round: one busy moment of the machine does not
+    become the table."""
+    samples = [run() for _ in range(repeats)]
+    verify = statistics.median(_per_round(r, "verify_seconds") for r in samples)
+    draft = statistics.median(_per_round(r, "draft_seconds") for r in samples)
+    return verify, draft
+
+
+def measure_costs(
+    runner: Any,
+    proposer: Any,
+    prompts: Sequence[Sequence[int]],
+    batches: Sequence[int],
+    gamma_max: int,
+    rounds: int = 6,
+    key: dict[str, str] | None = None,
+    repeats: int = 3,
+) -> CostTable:
+    """The cost table of `proposer` (its schedule and threshold off while measuring) on `runner`'s target."""
+    saved = (getattr(proposer, "schedule", None), getattr(proposer, "threshold", None))
+    proposer.schedule, proposer.threshold = None, None
+    greedy = SamplingParams()
+    verify: dict[int, dict[int, float]] = {}
+    draft_step: dict[int, float] = {}
+    draft_round: dict[int, float] = {}
+    try:
+        for batch in batches:
+            rows = [list(prompts[i % len(prompts)]) for i in range(batch)]
+            decode(runner, proposer, rows, greedy, 1, 3)  # untimed: allocations and kernel choice for this shape
+            verify[batch] = {1: _timed(lambda r=rows: decode(runner, NoDraft(), r, greedy, 1, rounds + 1), repeats)[0]}
+            drafting = {}
+            for gamma in range(1, gamma_max + 1):
+                # at least `rounds` rounds per row even when every draft is accepted
+                n_new = (rounds + 1) * (gamma + 1)
+                run = lambda g=gamma, n=n_new, r=rows: decode(runner, proposer, r, greedy, g, n)  # noqa: E731
+                verify[batch][gamma + 1], drafting[gamma] = _timed(run, repeats)
+            gammas = sorted(drafting)
+            if len(gammas) > 1:
+                mean_g = sum(g - 1 for g in gammas) / len(gammas)
+                mean_d = sum(drafting.values()) / len(gammas)
+                cov = sum((g - 1 - mean_g) * (drafting[g] - mean_d) for g in gammas)
+                var = sum((g - 1 - mean_g) ** 2 for g in gammas)
+                step = max(cov / var, 0.0)
+            else:
+                step, mean_g, mean_d = 0.0, 0.0, drafting[gammas[0]]
+            draft_step[batch] = step
+            draft_round[batch] = max(mean_d - step * mean_g, 0.0)
+    finally:
+        proposer.schedule, proposer.threshold = saved
+    return CostTable(verify, draft_step, draft_round, key or {})
+
+
+def cached_costs(cache_dir: Path, key: dict[str, Any], measure) -> tuple[CostTable, bool]:
+    """The table cached under `key` in `cache_dir`, else `measure()` saved there. Returns (table, from cache)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / f"costs-{digest}.json"
+    if path.is_file():
+        return CostTable.load(path), True
+    table = measure()
+    table.key = {k: str(v) for k, v in key.items()}
+    table.save(path)
+    return table, False

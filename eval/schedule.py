@@ -1,0 +1,174 @@
+"""How many draft slots to verify each round: from the drafter's confidences and what a target pass and a draft step
+cost on the machine at hand, admit a slot only while it raises the expected tokens per second.
+
+The engine verifies a batch in one padded pass: every row is widened to the longest row's slots, so a round's
+target time is `verify(width, batch)`, and a batch's draft step costs `draft_step(batch)` however many rows draft
+in it. Per round, the schedule walks the draft depths in order. At depth i, once the drafter has given each still
+drafting row its confidence c_i (read before x_i is drawn), row b's slot i survives with probability
+s_b = c_0 ... c_i (its running survival); the rows are taken in decreasing s_b, and the depth is admitted, for the
+rows taken, when the rate
+
+    E / (round cost)    E = Σ_rows (1 + Σ admitted survivals),   round cost = round overhead + draft steps + verify(width)
+
+is at least what it was without it (the first slot of a new depth pays the whole width increment; later slots of
+the same depth ride free in the padded pass, so the rate is compared over the cumulative set). A row gets no slot
+at all when even its first does not pay: the round is a plain target step for it. Before paying another draft
+step, the next depth's gain is predicted from each admitted row's survival times its latest confidence, and drafting
+stops when that cannot pay for the step and the wider pass.
+
+Before a round, whether to run the drafter at all: from each row's first-slot confidence of the last round it
+drafted (one round old), drafting pays when those predicted first slots raise the rate above a plain step's. A
+round that does not draft costs the drafter nothing (EAGLE-3 catches up on the verified slots in one pass when it
+next drafts), and the drafter is asked again after 1, 2, 4, ... such rounds to refresh its confidences.
+
+Non-anticipating: whether slot i is verified depends on the confidences c_0..c_i of the rows, which the drafter
+computes before drawing x_i, never on x_i or anything drawn after it; so the verifier's output keeps the target's
+distribution (the chapter's slot-by-slot admission).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class CostTable:
+    """Seconds of a target pass and of drafting, measured on this machine (`measure_costs`)."""
+
+    verify: dict[int, dict[int, float]]
+    """batch size -> slots per row (the padded width: last committed token + drafts) -> seconds of one target pass."""
+    draft_step: dict[int, float] = field(default_factory=dict)
+    """batch size -> seconds of one more draft depth (an EAGLE-3 step; a DSpark slot's heads)."""
+    draft_round: dict[int, float] = field(default_factory=dict)
+    """batch size -> seconds a round spends drafting whatever it admits (the drafter's update with the verified
+    tokens, its first step or block pass)."""
+    key: dict[str, str] = field(default_factory=dict)
+    """What it was measured for (target, dtype, device, drafter)."""
+
+    def _at(self, table: dict[int, float], batch: int) -> float:
+        """Linear in the batch size between the measured ones (held flat outside them)."""
+        sizes = sorted(table)
+        if batch <= sizes[0]:
+            return table[sizes[0]]
+        if batch >= sizes[-1]:
+            return table[sizes[-1]] * batch / sizes[-1]
+        j = bisect.bisect_left(sizes, batch)
+        lo, hi = sizes[j - 1], sizes[j]
+        return table[lo] + (table[hi] - table[lo]) * (batch - lo) / (hi - lo)
+
+    def verify_time(self, width: int, batch: int) -> float:
+        by_batch = {b: _width(row, width) for b, row in self.verify.items()}
+        return self._at(by_batch, batch)
+
+    def step_time(self, batch: int) -> float:
+        return self._at(self.draft_step, batch) if self.draft_step else 0.0
+
+    def round_time(self, batch: int) -> float:
+        return self._at(self.draft_round, batch) if self.draft_round else 0.0
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> CostTable:
+        raw = json.loads(path.read_text())
+        to_int = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 (JSON keys are strings)
+        return cls(
+            verify={int(b): to_int(row) for b, row in raw["verify"].items()},
+            draft_step=to_int(raw.get("draft_step", {})),
+            draft_round=to_int(raw.get("draft_round", {})),
+            key=raw.get("key", {}),
+        )
+
+
+def _width(row: dict[int, float], width: int) -> float:
+    """A pass `width` slots wide, linear between the measured widths and extrapolated past the widest."""
+    widths = sorted(row)
+    if width in row:
+        return row[width]
+    if width > widths[-1]:
+        a, b = widths[-2], widths[-1]
+        return row[b] + (row[b] - row[a]) * (width - b) / (b - a)
+    j = bisect.bisect_left(widths, width)
+    lo, hi = widths[j - 1], widths[j]
+    return row[lo] + (row[hi] - row[lo]) * (width - lo) / (hi - lo)
+
+
+class CostSchedule:
+    """The per-round admission rule of a trained proposer (`TrainedProposer.schedule`)."""
+
+    max_backoff = 64
+    """Most rounds in a row without drafting before the drafter is asked again (to refresh its confidences)."""
+
+    def __init__(self, costs: CostTable):
+        self.costs = costs
+        self.halted = False
+        self.reset()
+
+    def reset(self) -> None:
+        """A new decode: no rounds skipped yet."""
+        self.skipped, self.backoff = 0, 1
+
+    def worth_drafting(self, c0: torch.Tensor, active: torch.Tensor) -> bool:
+        """Whether this round runs the drafter at all, from each row's first-slot confidence of the last round it
+        drafted (`c0` [B]; 1 before any): drafting pays when the rows' predicted first slots raise the rate above a
+        plain step's. A round that does not draft skips all drafter work; after `backoff` such rounds the drafter is
+        asked again (doubling while it keeps not paying, up to `max_backoff`), so a row whose text turns
+        predictable is noticed."""
+        batch, rows = int(active.shape[0]), int(active.sum())
+        c = self.costs
+        gain = float(c0.double().where(active, torch.zeros_like(c0, dtype=torch.float64)).sum())
+        plain = rows / c.verify_time(1, batch)
+        draft = (rows + gain) / (c.round_time(batch) + c.verify_time(2, batch))
+        if draft >= plain:
+            self.skipped, self.backoff = 0, 1
+            return True
+        if self.skipped >= self.backoff:  # probe, after `backoff` skipped rounds: decided by that count alone
+            self.skipped, self.backoff = 0, min(2 * self.backoff, self.max_backoff)
+            return True
+        self.skipped += 1
+        return False
+
+    def begin(self, drafting: torch.Tensor) -> None:
+        """A new round for the rows in `drafting` (bool [B])."""
+        self.batch = int(drafting.shape[0])
+        self.rows = int(drafting.sum())
+        self.expected = float(self.rows)  # every active row commits at least one token per pass
+        self.width = 1  # the last committed token
+        self.steps = 0
+        self.halted = False
+
+    def _cost(self, width: int, steps: int) -> float:
+        c = self.costs
+        return c.round_time(self.batch) + steps * c.step_time(self.batch) + c.verify_time(width, self.batch)
+
+    def admit(self, i: int, conf: torch.Tensor, survival: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
+        """The rows that draft slot i, from their confidences `conf` [B] of slot i (read before x_i is drawn) and
+        running survivals [B]; sets `halted` when drafting another depth cannot pay."""
+        self.steps = i  # depth 0 comes with the round's drafting (draft_round); each later depth is one step
+        s = (survival * conf).where(drafting, torch.zeros_like(conf))
+        order = [b for b in torch.argsort(s, descending=True, stable=True).tolist() if drafting[b] and s[b] > 0]
+        rate = self.expected / self._cost(self.width, self.steps)
+        wider = self._cost(self.width + 1, self.steps)
+        taken, gain, best, best_gain = [], 0.0, 0, 0.0
+        for b in order:
+            taken.append(b)
+            gain += float(s[b])
+            if (self.expected + gain) / wider >= rate and gain > best_gain:
+                best, best_gain = len(taken), gain
+        admitted = torch.zeros_like(drafting)
+        if best:
+            admitted[torch.tensor(taken[:best])] = True
+            self.expected += best_gain
+            self.width += 1
+        # another depth: each admitted row's next slot survives with about its survival times its latest confidence
+        nxt = float((s * conf).where(admitted, torch.zeros_like(conf)).sum())
+        later = self._cost(self.width + 1, i + 1)
+        self.halted = not best or (self.expected + nxt) / later < self.expected / self._cost(self.width, self.steps)
+        return admitted

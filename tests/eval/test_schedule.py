@@ -1,0 +1,139 @@
+"""The cost-based schedule (eval.schedule): its admission rule on scripted confidences, and exactness with it on:
+the emitted distribution is the target's at T = 1 for one row and for a batch (chi-square on the exactly solvable
+bigram target), greedy output is the target's greedy output at batch 1 and 3 (EAGLE-3, with rounds the drafter
+skips), and a schedule that reads a slot's own drafted token is caught."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from draftsmith.eval.engine import decode
+from draftsmith.eval.proposers import DSparkProposer, Eagle3Proposer, Proposal
+from draftsmith.eval.runner import HFTarget
+from draftsmith.eval.sampling import SamplingParams, make_generator
+from draftsmith.eval.schedule import CostSchedule, CostTable
+from tests.eval.test_dspark_exactness import FeatureBigramTarget, _emitted_dspark, _exact, _tiny_dspark
+from tests.eval.test_exactness import P, _eagle3, chi_square_pvalue, plain_greedy
+
+# a pass 1 slot wide costs 1.0; each further slot 0.3; a draft round 0.1, each further depth 0.05
+TABLE = CostTable(
+    verify={1: {1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9}, 4: {1: 1.2, 2: 1.8, 3: 2.4, 4: 3.0}},
+    draft_step={1: 0.05, 4: 0.06},
+    draft_round={1: 0.1, 4: 0.12},
+)
+
+
+def test_admission_follows_the_rate():
+    """One row: slot 0 pays when (1 + s) / (0.1 + 1.3) >= 1 / (0.1 + 1.0), i.e. s >= 0.273."""
+    s = CostSchedule(TABLE)
+    on = torch.tensor([True])
+    s.begin(on)
+    assert not s.admit(0, torch.tensor([0.25], dtype=torch.float64), torch.ones(1, dtype=torch.float64), on).any()
+    assert s.halted  # nothing admitted: no further depth
+    s.begin(on)
+    assert s.admit(0, torch.tensor([0.3], dtype=torch.float64), torch.ones(1, dtype=torch.float64), on).all()
+    # a batch: the depth's first slot pays the width increment, later ones ride free in the padded pass
+    s4 = CostSchedule(TABLE)
+    rows = torch.ones(4, dtype=torch.bool)
+    s4.begin(rows)
+    conf = torch.tensor([0.9, 0.9, 0.8, 0.0], dtype=torch.float64)
+    admitted = s4.admit(0, conf, torch.ones(4, dtype=torch.float64), rows)
+    # the top slot alone does not pay ((4 + 0.9) / 1.92 < 4 / 1.32), the three together do ((4 + 2.6) / 1.92);
+    # a slot of zero survival never
+    assert admitted.tolist() == [True, True, True, False]
+
+
+def test_rounds_without_drafting_back_off_and_probe_again():
+    """A drafter that does not pay is asked again after 1, 2, 4, ... skipped rounds (at most max_backoff)."""
+    s = CostSchedule(TABLE)
+    low, on = torch.tensor([0.01], dtype=torch.float64), torch.tensor([True])
+    decisions = [s.worth_drafting(low, on) for _ in range(16)]
+    probes = [i for i, d in enumerate(decisions) if d]
+    assert probes == [1, 4, 9]  # after 1 skipped round, then 2, then 4
+    assert s.worth_drafting(torch.tensor([0.9], dtype=torch.float64), on)  # paying again: drafts, backoff reset
+    assert s.backoff == 1
+
+
+# For the tiny DSpark drafter, whose confidences lie between 0.48 and 0.77: slot 0 pays from about 0.62 alone, so
+# rounds with no slot, some and all occur, and whole rounds are skipped on a low confidence of the round before.
+DIST_TABLE = CostTable(
+    verify={1: {1: 1.0, 2: 1.68, 3: 1.9, 4: 2.4}, 4: {1: 1.0, 2: 1.5, 3: 1.7, 4: 2.2}},
+    draft_step={1: 0.05, 4: 0.05},
+    draft_round={1: 0.1, 4: 0.1},
+)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_sampling_with_the_schedule_emits_the_targets_distribution(rows, test_device):
+    """Four emitted tokens per row of a batch of `rows` identical prompts, each row with its own generator: with
+    the schedule deciding per round which slots (and whether any) are verified, every row's output is still
+    distributed as the target's."""
+    proposer = DSparkProposer(_tiny_dspark(device=test_device))
+    proposer.schedule = CostSchedule(DIST_TABLE)
+    target = FeatureBigramTarget(P.to(test_device), 3 * 8)
+    gens = [make_generator(test_device, 100 + b) for b in range(rows)]
+    counts, drafted, rounds, empty = Counter(), 0, 0, 0
+    for _ in range(4000 // rows):
+        res = decode(target, proposer, [[0]] * rows, SamplingParams(temperature=1.0), 3, 4, generators=gens)
+        for r in res:
+            counts[tuple(r.tokens[:4])] += 1
+            drafted += sum(d for d, _ in r.rounds)
+            rounds += len(r.rounds)
+            empty += sum(d == 0 for d, _ in r.rounds)
+    assert chi_square_pvalue(counts, _exact()) > 1e-3, counts
+    assert 0 < empty < rounds and drafted > rounds - empty  # rounds with none, one and several slots all occurred
+
+
+class PeekingSchedule(DSparkProposer):
+    """Mutant: the schedule admits slot i after x_i is drawn, and not when x_i came out as token 1 (a slot's
+    admission reading its own drafted token)."""
+
+    def _chain(self, k, active, params, generators, step):
+        B = len(active)
+        drafting = torch.tensor(list(active), dtype=torch.bool)
+        survival = torch.ones(B, dtype=torch.float64)
+        drafts, qs, x = [[] for _ in range(B)], [], None
+        self.schedule.begin(drafting)
+        for i in range(k):
+            logits, conf = step(i, x)
+            x, q = self._draw(logits, params, generators, drafting)
+            c = conf.double().cpu() * (x != 1)
+            drafting = self._admit(i, c, survival, drafting)
+            if not drafting.any():
+                break
+            survival = torch.where(drafting, survival * c, survival)
+            qs.append(q)
+            for b in drafting.nonzero().flatten().tolist():
+                drafts[b].append(int(x[b]))
+        return Proposal(drafts, torch.stack(qs, 1) if qs else None)
+
+
+def test_the_schedule_sampling_test_rejects_a_peeking_schedule(test_device):
+    mutant = PeekingSchedule(_tiny_dspark(device=test_device))
+    mutant.schedule = CostSchedule(TABLE)  # every slot of this drafter pays there: peeking is the only cut
+    counts, _, _ = _emitted_dspark(mutant, n=2000, seed=3)
+    assert chi_square_pvalue(counts, _exact()) < 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_with_the_schedule_commits_the_targets_greedy_tokens(tiny64, rows):
+    """EAGLE-3 with the schedule (rounds where the drafter runs, and rounds where it is skipped and catches up on
+    the verified slots later in one pass): every row's tokens are the target's greedy tokens."""
+    drafter = _eagle3(tiny64)
+    g = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(5, 380, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(rows)
+    ]
+    for table, expect in [(TABLE, "mixed"), (CostTable({1: {1: 1.0, 2: 5.0}, 3: {1: 1.0, 2: 5.0}}, {}, {}), "skips")]:
+        proposer = Eagle3Proposer(drafter)
+        proposer.schedule = CostSchedule(table)
+        res = decode(HFTarget(tiny64, drafter.config.aux_layer_ids), proposer, prompts, SamplingParams(), 3, 30)
+        for r, p in zip(res, prompts):
+            assert r.tokens == plain_greedy(tiny64, p, 30)
+        drafted = [d for r in res for d, _ in r.rounds]
+        if expect == "mixed":
+            assert any(d > 0 for d in drafted)
+        else:  # a slot costs 4 more passes: the drafter is only probed, with backoff, and never pays
+            assert all(d == 0 for d in drafted) and proposer.schedule.backoff > 1
