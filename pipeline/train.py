@@ -502,11 +502,20 @@ class Trainer:
 
     def holdout_share(self):
         """This rank's share of the whole holdout split (planned for one rank, dealt out round robin: every
-        sequence to exactly one rank), as batches of epoch 0. For a family's `after_training`."""
+        sequence to exactly one rank), as batches of epoch 0. For a family's `after_training`.
+
+        Every rank loads the same number of batches: with online features the target runs inside `load_batch`, and
+        a sharded target (model.zero3) gathers its layers in collectives that every rank must join, so a rank with
+        one batch fewer loads one more (the first) and does not hand it out. Offline, no rank waits for another."""
         acc = self.accelerator
         holdout = plan_epoch(self.source, self.cfg, 0, 0, 1, split="holdout")
-        for indices in holdout[acc.process_index :: acc.num_processes]:
+        mine = holdout[acc.process_index :: acc.num_processes]
+        for indices in mine:
             yield self.batch(indices, epoch=0)
+        online = isinstance(getattr(self.source, "source", self.source), OnlineFeatureSource)  # (through AuxSubset)
+        if online and holdout:
+            for _ in range(-(-len(holdout) // acc.num_processes) - len(mine)):
+                self.source.load_batch(holdout[0])  # the target's forward, in step with the other ranks
 
     def _finish(self, seconds: float) -> Path:
         acc = self.accelerator
