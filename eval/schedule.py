@@ -72,8 +72,11 @@ class CostTable:
         return self._at(self.draft_round, batch) if self.draft_round else 0.0
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
+        """Written whole (to a temporary name, then renamed): ranks measuring the same table at once never read a
+        half-written one."""
+        from draftsmith.data.artifacts import atomic_write_text
+
+        atomic_write_text(path, json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, path: Path) -> CostTable:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import defaultdict
 from itertools import zip_longest
@@ -47,7 +46,7 @@ def main() -> None:
     from draftsmith.pipeline.evaluate import eval_prompts
     from draftsmith.pipeline.families import get_family, load_drafter
     from draftsmith.pipeline.inputs import trained_drafter
-    from draftsmith.pipeline.target import load_target
+    from draftsmith.pipeline.target import cache_root, load_target
 
     batches = [int(b) for b in args.batches.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -67,7 +66,7 @@ def main() -> None:
     for family in cfg.train.drafters:
         d = load_drafter(trained_drafter(cfg, target.identity, None, family)).to(target.device, model.dtype)
         drafters[family] = get_family(family).proposer(d, cfg.eval)
-    cache = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")) / "costs"
+    cache = cache_root() / "costs"
     print(
         f"{len(prompts)} prompts, drafters {list(drafters)}, γ {gamma}, {args.max_new_tokens} new tokens, "
         f"{model.dtype}, {torch.get_num_threads()} threads, CPU kernels {torch.backends.cpu.get_cpu_capability()}"

@@ -235,6 +235,16 @@ def _families() -> dict[str, Any]:
     return FAMILIES
 
 
+class CalibratedSettings(FamilySettings):
+    """A family whose confidences are calibrated after training (`families.base.calibrate_confidences`)."""
+
+    calibrate: bool = True
+    """Fit sequential temperature scaling of the confidences on the holdout split after training (what eval's
+    cost schedule predicts acceptance from)."""
+    calibration_bins: int = Field(10, ge=2)
+    """Equal-width bins of the expected calibration error the temperatures minimize."""
+
+
 class TrainConfig(Section):
     """Drafter training. The settings here are shared by every family; each family's own settings (its shape,
     its objective's knobs) are its section `train.<family>` (e.g. `train.eagle3.ttt_steps`,

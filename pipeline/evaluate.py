@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.families import get_family, load_drafter
 from draftsmith.pipeline.inputs import trained_drafter
 from draftsmith.pipeline.layout import RunLayout
-from draftsmith.pipeline.target import load_target
+from draftsmith.pipeline.target import cache_root, load_target
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +155,7 @@ def _schedules(cfg: RunConfig, decoder: _Decoder, target, drafter_info, prompts)
     if decoder.tree is not None:
         mode = "fixed"  # a tree is verified whole: its size is eval.tree_nodes
     batches = sorted({1, e.batch_size})
-    cache = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")) / "costs"
+    cache = cache_root() / "costs"
     for name, proposer in decoder.proposers.items():
         if not isinstance(proposer, TrainedProposer):
             continue

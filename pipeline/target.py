@@ -37,9 +37,14 @@ class TargetError(ValueError):
 # ------------------------------------------------------------------------------------------ identity
 
 
+def cache_root() -> Path:
+    """Where draftsmith caches what is costly to recompute (weight hashes, eval cost tables): DRAFTSMITH_CACHE, else
+    ~/.cache/draftsmith."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
 def _hash_cache_path() -> Path:
-    root = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
-    return root / "sha256.json"
+    return cache_root() / "sha256.json"
 
 
 def file_sha256(path: Path) -> str:

@@ -138,7 +138,7 @@ def calibrate_confidences(trainer: TrainContext, directory: Path, data_fn: Calla
     calibration on one rank would leave the others waiting in a collective until the NCCL timeout); the main
     process gathers them, fits and writes. `data_fn(model, batch, head, objective settings)` gives (confidence
     logits, acceptance probabilities, validity), each [N, positions], the family's own (its objectives module);
-    the section's `calibrate` and `calibration_bins` say whether and how."""
+    the section (a `config.CalibratedSettings`) says whether and with how many bins."""
     from accelerate.utils import gather_object
 
     from draftsmith.pipeline.families import load_drafter  # the registry imports this module

@@ -24,12 +24,12 @@ from pydantic import Field
 from draftsmith.drafters.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.drafters.objectives import DSparkObjectiveSettings, dspark_calibration_data, dspark_objective
 from draftsmith.eval.proposers import DSparkProposer
+from draftsmith.pipeline.config import CalibratedSettings
 from draftsmith.pipeline.families import register
 from draftsmith.pipeline.families.base import (
     ExportContext,
     ExportedDirectory,
     Family,
-    FamilySettings,
     TargetParts,
     TrainContext,
     calibrate_confidences,
@@ -42,7 +42,7 @@ from draftsmith.pipeline.families.base import (
 log = logging.getLogger(__name__)
 
 
-class DSparkSettings(FamilySettings):
+class DSparkSettings(CalibratedSettings):
     """The DSpark-style block drafter (`train.dspark`): one backbone pass drafts a block of γ tokens."""
 
     block_size: int = Field(7, ge=1)
@@ -68,10 +68,6 @@ class DSparkSettings(FamilySettings):
     """Training-time test for the sequential bias: condition slot k on the token the drafter itself sampled at
     slot k−1 (instead of the data token). A slot is then supervised only while the samples before it equal the
     data tokens: the teacher is the target's distribution after the data prefix, unknown after any other."""
-    calibrate: bool = True
-    """Fit sequential temperature scaling of the confidences on the holdout split after training."""
-    calibration_bins: int = Field(10, ge=2)
-    """Equal-width bins of the expected calibration error the temperatures minimize."""
 
 
 def build(parts: TargetParts, s: DSparkSettings) -> DSparkDrafter:

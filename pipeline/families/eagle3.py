@@ -33,12 +33,12 @@ from pydantic import Field
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.objectives import ObjectiveSettings, eagle3_calibration_data, eagle3_objective
 from draftsmith.eval.proposers import Eagle3Proposer
+from draftsmith.pipeline.config import CalibratedSettings
 from draftsmith.pipeline.families import register
 from draftsmith.pipeline.families.base import (
     ExportContext,
     ExportedDirectory,
     Family,
-    FamilySettings,
     TargetParts,
     TrainContext,
     calibrate_confidences,
@@ -49,7 +49,7 @@ from draftsmith.pipeline.families.base import (
 )
 
 
-class Eagle3Settings(FamilySettings):
+class Eagle3Settings(CalibratedSettings):
     """The EAGLE-3 drafter (`train.eagle3`): a fused-feature decoder layer trained with training-time test."""
 
     num_layers: int = Field(1, ge=1)
@@ -64,11 +64,6 @@ class Eagle3Settings(FamilySettings):
     """Weight of the confidence head's BCE loss."""
     init_head_from_target: bool = True
     """Start the (trainable) `lm_head` from the target's LM head rows of the draft vocab instead of random."""
-    calibrate: bool = True
-    """Fit sequential temperature scaling of the confidences on the holdout split after training (what eval's
-    cost schedule predicts acceptance from)."""
-    calibration_bins: int = Field(10, ge=2)
-    """Equal-width bins of the expected calibration error the temperatures minimize."""
 
 
 def build(parts: TargetParts, s: Eagle3Settings) -> Eagle3Drafter:
