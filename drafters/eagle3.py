@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from draftsmith.drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
+from draftsmith.drafters.ttt_attention import repeat_kv, ttt_attention
 
 
 @dataclass
@@ -83,10 +84,6 @@ class KVCache:
                 self.k[i], self.v[i] = k[:, :, :length], v[:, :, :length]
 
 
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
 class Eagle3Attention(nn.Module):
     def __init__(self, cfg: Eagle3Config, input_size: int):
         super().__init__()
@@ -108,25 +105,18 @@ class Eagle3Attention(nn.Module):
         """One TTT step over all slots. `past` holds (k, v) of steps 0..i-1; returns output and this step's (k, v).
 
         Step 0 is plain causal attention. Step i > 0: scores against step-0 keys (causal) and, per slot, against
-        the same slot's keys of steps 1..i, normalized by one softmax over both.
+        the same slot's keys of steps 1..i, normalized by one softmax over both (drafters/ttt_attention.py: exact,
+        memory linear in T; the earlier steps' keys are passed as they are, never re-stacked or repeated for GQA).
         """
         B, T, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        groups = self.heads // self.kv_heads
-        scale = 1.0 / math.sqrt(self.head_dim)
         if not past:
+            groups = self.heads // self.kv_heads
             out = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True)
         else:
-            k0, v0 = repeat_kv(past[0][0], groups), repeat_kv(past[0][1], groups)
-            diag_k = torch.stack([repeat_kv(kj, groups) for kj, _ in past[1:]] + [repeat_kv(k, groups)], dim=3)
-            diag_v = torch.stack([repeat_kv(vj, groups) for _, vj in past[1:]] + [repeat_kv(v, groups)], dim=3)
-            causal = torch.matmul(q, k0.transpose(-1, -2)) * scale  # [B, h, T, T]
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            causal = causal.masked_fill(~mask, torch.finfo(causal.dtype).min)
-            diag = torch.einsum("bhtd,bhtjd->bhtj", q, diag_k) * scale  # [B, h, T, i]
-            scores = torch.cat([causal, diag], dim=-1)
-            probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
-            out = torch.matmul(probs[..., :T], v0) + torch.einsum("bhtj,bhtjd->bhtd", probs[..., T:], diag_v)
+            diag_k = [kj for kj, _ in past[1:]] + [k]
+            diag_v = [vj for _, vj in past[1:]] + [v]
+            out = ttt_attention(q, past[0][0], past[0][1], diag_k, diag_v, 1.0 / math.sqrt(self.head_dim))
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return self.o_proj(out), (k, v)
 

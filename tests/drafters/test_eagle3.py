@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from draftsmith.drafters import ttt_attention
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
 
@@ -30,15 +31,21 @@ def _drafter(num_layers=1, norm_before_residual=False, dtype=torch.float64, seed
     return model.to(device)
 
 
+@pytest.mark.parametrize("impl", ["reference", "chunked", "auto"])
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])
 @pytest.mark.parametrize("variant", [dict(), dict(num_layers=2), dict(norm_before_residual=True)])
-def test_ttt_step_i_equals_cached_autoregressive_drafting(steps, variant, test_device):
+def test_ttt_step_i_equals_cached_autoregressive_drafting(steps, variant, impl, test_device, monkeypatch):
+    """Through each TTT attention path (drafters/ttt_attention.py): the dense reference, the chunked path (in
+    chunks of 5 of the 13 slots, so a chunk boundary falls inside), and the device's default (on CUDA, flex)."""
+    if impl == "auto" and test_device.type == "cpu":
+        pytest.skip("on the CPU the default is the chunked path, checked above")
     model = _drafter(**variant, device=test_device)
     B, T = 2, 13
+    monkeypatch.setattr(ttt_attention, "CHUNK_ELEMENTS", B * 4 * T * 5)  # 4 heads: 5 queries per chunk
     g = torch.Generator().manual_seed(1)
     aux = torch.randn(B, T, 3 * 24, generator=g, dtype=torch.float64).to(test_device)
     ids = torch.randint(0, 97, (B, T), generator=g).to(test_device)
-    with torch.no_grad():
+    with torch.no_grad(), ttt_attention.use_impl(impl):
         outs = model.ttt_forward(aux, ids, steps)
     assert len(outs) == steps
     checked = 0
@@ -104,6 +111,26 @@ def test_gradient_checkpointing_gives_the_same_gradients(test_device):
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n])
     assert "embed_tokens.weight" not in grads[0]  # frozen
+
+
+def test_ttt_gradients_are_the_same_through_every_attention_path(test_device, monkeypatch):
+    """The training step's parameter gradients through the chunked TTT attention (chunks of 4 of the 11 slots) and
+    through the device's default equal those through the dense reference."""
+    monkeypatch.setattr(ttt_attention, "CHUNK_ELEMENTS", 2 * 4 * 11 * 4)
+    model = _drafter(num_layers=2, dtype=torch.float64, device=test_device).train()
+    aux = torch.randn(2, 11, 72, dtype=torch.float64).to(test_device)
+    ids = torch.randint(0, 97, (2, 11)).to(test_device)
+    grads = {}
+    for impl in ("reference", "chunked", "auto"):
+        model.zero_grad()
+        with ttt_attention.use_impl(impl):
+            outs = model.ttt_forward(aux, ids, 4)
+        sum(o[0].square().mean() + o[1].mean() for o in outs).backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for impl in ("chunked", "auto"):
+        assert grads[impl].keys() == grads["reference"].keys()
+        for n, g in grads[impl].items():
+            torch.testing.assert_close(g, grads["reference"][n], rtol=1e-9, atol=1e-11, msg=f"{impl}: {n}")
 
 
 def test_save_and_load_round_trip(tmp_path):  # CPU-only: serialization, no device math
