@@ -16,7 +16,7 @@ import json
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +183,121 @@ class FeatureStore:
             "ids": [x["id"] for x in samples],
             "domains": [x["domain"] for x in samples],
         }
+
+
+# ------------------------------------------------------------------------------------------ batch loading
+
+
+class BatchLoader:
+    """The batches of a plan (lists of sample indices), in order, loaded by `load` one ahead of their use.
+
+    With `background`, a thread loads batch n+1 while the caller computes on batch n (reading shards and padding are
+    torch ops that release the GIL), and on CUDA hands it over already on `device`: copied from pinned memory on a
+    stream of its own, which the caller's stream waits for. Without it, batches are loaded when asked for and left
+    where `load` put them (the online source: its target runs in `load`, and a sharded target's collectives must
+    stay in step with the training's on every rank).
+
+    An error in `load` is raised by the iteration, with the traceback of where it happened; `close` (or leaving a
+    `with` block, however it is left) stops the thread. Iterate once."""
+
+    def __init__(
+        self,
+        load: Callable[[Sequence[int]], dict[str, Any]],
+        plan: Sequence[Sequence[int]],
+        device: torch.device,
+        background: bool = True,
+    ):
+        self.load, self.plan, self.device = load, list(plan), torch.device(device)
+        self.background = background
+        self._next = 0  # the next batch of a serial loader
+        self._cuda = background and self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._queue: queue.Queue = queue.Queue(maxsize=1)  # one batch ahead of the one in use
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="batch-loader", daemon=True)
+        if background:
+            self._thread.start()
+
+    def __enter__(self) -> BatchLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> BatchLoader:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if not self.background:
+            if self._next == len(self.plan):
+                raise StopIteration
+            self._next += 1
+            return self.load(self.plan[self._next - 1])
+        kind, payload = self._take()
+        if kind == "end":
+            raise StopIteration
+        if kind == "error":
+            raise payload  # the loader thread's exception, its traceback included
+        batch, copied = payload
+        if copied is not None:
+            self._use_on_current_stream(batch, copied)
+        return batch
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the batch it is loading) and wait for it."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ------------------------------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        try:
+            for indices in self.plan:
+                if self._stop.is_set():
+                    return
+                self._put(("batch", self._to_device(self.load(indices))))
+            self._put(("end", None))
+        except BaseException as exc:  # handed to the caller, who raises it
+            self._put(("error", exc))
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        """Queue `item` once there is room, unless the loader is closed meanwhile (nobody will take it)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _take(self) -> tuple[str, Any]:
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the batch loader thread stopped without a batch or an error") from None
+
+    def _to_device(self, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """(batch, the event its copies complete with): on CUDA its tensors copied to the device from pinned memory,
+        without waiting (the copies overlap the caller's computation); elsewhere as loaded."""
+        if not self._cuda:
+            return batch, None
+        with torch.cuda.stream(self._stream):
+            moved = {k: self._copy(v) if torch.is_tensor(v) else v for k, v in batch.items()}
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        return moved, copied
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        # only a copy from pinned memory runs without the host waiting for it
+        return (t.pin_memory() if t.device.type == "cpu" else t).to(self.device, non_blocking=True)
+
+    def _use_on_current_stream(self, batch: dict[str, Any], copied: Any) -> None:
+        """Make the caller's stream wait for the copies (on the device, not the host), and tell the allocator the
+        tensors are used there, so their memory is not reused before that stream is done with them."""
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(copied)
+        for v in batch.values():
+            if torch.is_tensor(v):
+                v.record_stream(stream)

@@ -24,14 +24,34 @@ class Teacher:
     in_vocab: torch.Tensor
     """[B, T] whether that argmax is in the draft vocab."""
 
+    def ahead(self, n: int) -> Teacher:
+        """The teacher at position t+n for the slots t < T-n that have one: views of this teacher, no copy. A TTT
+        unroll takes the teacher n ahead at every step; `shifted` would copy the [B, T, D] distributions each time.
+        Pair it with the first T-n slots of the drafter's logits and `pad_end` the per-slot results."""
+        return Teacher(
+            self.probs[:, n:],
+            self.exact[:, n:] if self.exact is not None else None,
+            self.argmax[:, n:],
+            self.in_vocab[:, n:],
+        )
+
     def shifted(self, n: int) -> Teacher:
-        """The teacher at position t+n for every slot t (zeros / False past the end)."""
+        """The teacher at position t+n for every slot t (zeros / False past the end). Copies; see `ahead`."""
         return Teacher(
             shift(self.probs, n),
             shift(self.exact, n) if self.exact is not None else None,
             shift(self.argmax, n),
             shift(self.in_vocab, n),
         )
+
+
+def pad_end(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x [B, t, ...] zero-padded at the end of dim 1 to `length` slots: per-slot results of `Teacher.ahead` back in
+    the shape of the whole sequence (the padded slots have no teacher; their loss mask is 0)."""
+    missing = length - x.shape[1]
+    if missing == 0:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], missing, *x.shape[2:]))], dim=1)
 
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from draftsmith.drafters.losses import (
     acceptance,
     draft_distribution,
+    pad_end,
     position_losses,
     shift,
     simulated_acceptance_length,
@@ -76,21 +77,25 @@ def eagle3_objective(
     teacher = teacher_from_final(batch["final"].to(device), head_weight, draft_ids, s.temperature)
     outs = model(batch["aux"].to(device), input_ids, s.steps, s.checkpoint)
 
+    T = input_ids.shape[1]
     total = torch.zeros((), device=device)
     stats: dict[str, torch.Tensor] = {}
     alphas, valids = [], []
     for i, (logits, conf) in enumerate(outs):
         mask = shift(loss_mask, 2 + i)  # slot t at step i predicts token t+2+i
-        t_i = teacher.shifted(1 + i)  # ... whose distribution the target gives at position t+1+i
+        # ... whose distribution the target gives at position t+1+i: a view of the teacher computed once for the
+        # micro-batch; the last 1+i slots have none (and mask 0), their per-slot values are padded with 0
+        t_i = teacher.ahead(1 + i)
+        live = logits[:, : max(T - 1 - i, 0)]
         n = mask.sum()
-        per_pos = position_losses(logits, t_i, s.loss, s.temperature)
-        alpha = acceptance(logits, t_i, draft_ids, s.temperature)
+        per_pos = pad_end(position_losses(live, t_i, s.loss, s.temperature), T)
+        alpha = pad_end(acceptance(live, t_i, draft_ids, s.temperature), T)
         bce = F.binary_cross_entropy_with_logits(conf.float(), alpha, reduction="none")
         denom = n.clamp_min(1)
         total = total + (s.step_decay**i) * (per_pos * mask).sum() / denom
         total = total + s.confidence_weight * (bce * mask).sum() / denom
         with torch.no_grad():
-            correct = (draft_ids[logits.argmax(-1)] == t_i.argmax).float()
+            correct = pad_end((draft_ids[live.argmax(-1)] == t_i.argmax).float(), T)
             stats[f"n_{i}"] = n.float()
             stats[f"loss_{i}"] = (per_pos * mask).sum().detach()
             stats[f"acc_{i}"] = (correct * mask).sum()
@@ -104,7 +109,7 @@ def eagle3_objective(
         tau = simulated_acceptance_length(alphas, valids)
         stats["tau"] = (tau * start).sum()
         stats["tau_n"] = start.sum().float()
-        stats["oov"] = (~teacher.shifted(1).in_vocab & start).sum().float()
+        stats["oov"] = (~teacher.ahead(1).in_vocab & start[:, : T - 1]).sum().float()
         stats["tokens"] = batch["attention_mask"].sum().float().to(device)
     return total, stats
 
@@ -152,27 +157,30 @@ class DSparkObjectiveSettings:
 def sample_anchors(
     loss_mask: torch.Tensor, attention_mask: torch.Tensor, ids: list[str], count: int, seed: int, epoch: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchors [B, A], valid [B, A]): up to `count` distinct positions p per sequence whose next token p+1 is
-    supervised, drawn without replacement by a generator seeded from (seed, epoch, sequence id) so a resumed run
-    and every rank draw the same anchors. Sorted; padding anchors are 0 and invalid."""
+    """(anchors [B, A], valid [B, A]) with A = min(count, T-1): up to `count` distinct positions p per sequence whose
+    next token p+1 is supervised, uniformly drawn without replacement. Sorted; padding anchors are 0 and invalid.
+
+    Each sequence ranks its positions by a random permutation from a CPU generator seeded from (seed, epoch, sequence
+    id), and its candidates of highest rank are its anchors: a resumed run and every rank draw the same anchors, on
+    any device. The ranks are host work that reads nothing from the device, and the choice is made where the masks
+    are, so the draw never waits on the device (issue 20); A does not depend on the data for the same reason."""
+    B, T = loss_mask.shape
+    candidate = shift(loss_mask.bool() & attention_mask.bool(), 1)  # p is a candidate if p+1 is supervised
+    ranks = torch.stack([torch.randperm(T, generator=_anchor_generator(seed, epoch, sid)) for sid in ids])
+    keys = torch.where(candidate, ranks.to(loss_mask.device, non_blocking=True), -1)
+    top = keys.topk(max(1, min(count, T - 1)), dim=1)  # the candidates of highest rank; -1: fewer candidates than A
+    # sorted by position, padding last: position T sorts after every real one
+    order = torch.where(top.values >= 0, top.indices, T).sort(dim=1).values
+    valid = order < T
+    return torch.where(valid, order, 0), valid
+
+
+def _anchor_generator(seed: int, epoch: int, sequence_id: str) -> torch.Generator:
+    """The generator of one sequence's anchor draw in one epoch (a CPU generator, for a draw that is the same on
+    every device)."""
     import zlib
 
-    supervised_next = shift(
-        loss_mask.bool() & attention_mask.bool(), 1
-    )  # p is an anchor candidate if p+1 is supervised
-    chosen = []
-    for b, sid in enumerate(ids):
-        cand = supervised_next[b].nonzero().flatten().cpu()
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{epoch}:{sid}".encode()))
-        pick = cand[torch.randperm(cand.numel(), generator=gen)[:count]].sort().values
-        chosen.append(pick)
-    A = max(1, max(c.numel() for c in chosen))
-    anchors = torch.zeros(len(ids), A, dtype=torch.long)
-    valid = torch.zeros(len(ids), A, dtype=torch.bool)
-    for b, c in enumerate(chosen):
-        anchors[b, : c.numel()] = c
-        valid[b, : c.numel()] = True
-    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{epoch}:{sequence_id}".encode()))
 
 
 def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner, generator=None):
@@ -267,8 +275,13 @@ def eagle3_calibration_data(model, batch: TrainBatch, head_weight: torch.Tensor,
     teacher = teacher_from_final(batch["final"].to(device), head_weight, draft_ids, s.temperature)
     outs = model.ttt_forward(batch["aux"].to(device), input_ids, s.steps)
     conf = torch.stack([c.float() for _, c in outs], -1)
+    T = input_ids.shape[1]
     alpha = torch.stack(
-        [acceptance(lg, teacher.shifted(1 + i), draft_ids, s.temperature) for i, (lg, _) in enumerate(outs)], -1
+        [
+            pad_end(acceptance(lg[:, : max(T - 1 - i, 0)], teacher.ahead(1 + i), draft_ids, s.temperature), T)
+            for i, (lg, _) in enumerate(outs)
+        ],
+        -1,
     )
     # a chain reaches step i only while every earlier step had a supervised token
     valid = torch.stack([shift(loss_mask, 2 + i) for i in range(s.steps)], -1).long().cumprod(-1).bool()

@@ -22,6 +22,7 @@ import os
 import resource
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data.artifacts import atomic_write_text, write_manifest
-from draftsmith.data.feature_store import FeatureStore
+from draftsmith.data.feature_store import BatchLoader, FeatureStore
 from draftsmith.data.features import FeatureSource, OnlineFeatureSource, plan_batches, resolve_aux_ids
 from draftsmith.drafters.objectives import TrainBatch, summarize
 from draftsmith.drafters.vocab import select_draft_vocab
@@ -172,16 +173,49 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _reduce(accelerator, stats: dict[str, float]) -> dict[str, float]:
-    keys = sorted(stats)
-    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=accelerator.device)
-    t = accelerator.reduce(t, reduction="sum")
-    return dict(zip(keys, t.tolist()))
+class DeviceSums:
+    """Sums over micro-batches of the objectives' statistics (0-d tensors), kept on the training device: adding a
+    micro-batch's statistics is a kernel or two, where reading each one (`float(v)`) was a host sync (issue 20).
+    `read` brings them to the host, summed over the ranks, in one transfer. float64, like the Python floats the
+    sums used to be (an fp32 statistic converts exactly, and the additions round the same)."""
+
+    def __init__(self, device: torch.device):
+        self.keys: list[str] = []
+        self._index: dict[str, int] = {}
+        self.sums = torch.zeros(0, dtype=torch.float64, device=device)
+        self.count = 0
+        """Micro-batches added, counted on the host."""
+
+    def add(self, stats: Mapping[str, torch.Tensor]) -> None:
+        new = sorted(k for k in stats if k not in self._index)
+        if new:  # the first micro-batch, or a statistic first reported later: its sum starts at 0
+            self._index.update((k, len(self.keys) + j) for j, k in enumerate(new))
+            self.keys += new
+            self.sums = torch.cat([self.sums, self.sums.new_zeros(len(new))])
+        if len(stats) < len(self.keys):  # a statistic this micro-batch does not report adds 0
+            stats = {k: stats[k] if k in stats else self.sums.new_zeros(()) for k in self.keys}
+        self.sums.add_(torch.stack([stats[k].detach() for k in self.keys]))
+        self.count += 1
+
+    def read(
+        self, accelerator, keys: Sequence[str], local: Mapping[str, torch.Tensor | float | None] | None = None
+    ) -> dict[str, float]:
+        """{key: sum over micro-batches and ranks} for `keys` (0 for a key never added), "micro" (micro-batches, over
+        the ranks) and the `local` values as this rank has them (None: NaN), in one read from the device."""
+        zero = self.sums.new_zeros(())
+        summed = [self.sums[self._index[k]] if k in self._index else zero for k in keys]
+        column = accelerator.reduce(torch.stack([*summed, self.sums.new_full((), self.count)]), reduction="sum")
+        local = local or {}
+        mine = [_scalar(v, column) for v in local.values()]
+        values = torch.cat([column, *mine]).tolist()  # the one host read
+        return dict(zip([*keys, "micro", *local], values))
 
 
-def _add(acc: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
-    for k, v in stats.items():
-        acc[k] = acc.get(k, 0.0) + float(v)
+def _scalar(value: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor:
+    """`value` as a [1] tensor of `like`'s dtype and device (without a host-to-device copy of a Python number)."""
+    if torch.is_tensor(value):
+        return value.detach().reshape(1).to(like)
+    return like.new_full((1,), float("nan") if value is None else float(value))
 
 
 class Trainer:
@@ -280,6 +314,15 @@ class Trainer:
             partial.replace(vocab_file)
         return d2t, t2d
 
+    def loader(self, plan: list[list[int]]) -> BatchLoader:
+        """The training batches of `plan`, in order. Offline features are loaded a batch ahead on a thread (and on
+        CUDA copied to the device from pinned memory) while the step computes; online ones when the step asks (the
+        target runs in `load_batch`, in step with the other ranks' targets)."""
+        return BatchLoader(self.source.load_batch, plan, self.device, background=not self._online())
+
+    def _online(self) -> bool:
+        return isinstance(getattr(self.source, "source", self.source), OnlineFeatureSource)  # (through AuxSubset)
+
     def batch(self, indices: list[int], epoch: int) -> TrainBatch:
         """The micro-batch of these sequences, as every family's objective takes it."""
         return {**self.source.load_batch(indices), "epoch": epoch}  # type: ignore[typeddict-item]
@@ -368,16 +411,16 @@ class Trainer:
         batches = plan_epoch(self.source, self.cfg, 0, acc.process_index, acc.num_processes, split="holdout")
         if self.cfg.train.holdout_batches:
             batches = batches[: self.cfg.train.holdout_batches]
-        totals: dict[str, float] = {}
+        sums = DeviceSums(self.device)
         for indices in batches:
             batch = self.batch(indices, epoch=0)  # the holdout is judged on the same anchors every time
             with acc.autocast():
                 _, stats = self.family.objective(self.model, batch, self.head_weight, self.settings, self.unwrapped())
-            _add(totals, stats)
+            sums.add(stats)
         self.model.train()
         keys = [f"{k}_{i}" for i in range(self.settings.steps) for k in ("n", "loss", "acc", "accept", "bce", "conf")]
-        totals = {k: totals.get(k, 0.0) for k in keys + ["tau", "tau_n", "oov", "tokens"]}
-        totals = _reduce(acc, totals)
+        # the same keys on every rank (one with no holdout batch has none of its own): the reduction lines them up
+        totals = sums.read(acc, keys + ["tau", "tau_n", "oov", "tokens"])
         if totals["tau_n"] == 0:
             return {}
         return summarize(totals, self.settings.steps)
@@ -394,7 +437,9 @@ class Trainer:
         bar = tqdm(
             total=self.total_steps, initial=self.step, desc="train", unit="step", disable=not acc.is_main_process
         )
-        window: dict[str, float] = {}
+        # the step reads nothing from the device: statistics, loss and grad norm stay there until a log reads them
+        window = DeviceSums(self.device)
+        grad_norm: torch.Tensor | float | None = None
         started, window_start = time.perf_counter(), time.perf_counter()
         done = self.step >= self.total_steps
         # max_steps, when set, decides the length (epochs repeat as needed); otherwise `epochs` does
@@ -402,38 +447,36 @@ class Trainer:
             batches = plan_epoch(self.source, cfg, self.epoch, acc.process_index, acc.num_processes)
             self._check_steps(len(batches))  # the count can change between epochs (length buckets are redrawn)
             usable = len(batches) // t.gradient_accumulation * t.gradient_accumulation
-            while self.batch_in_epoch < usable:
-                indices = batches[self.batch_in_epoch]
-                batch = self.batch(indices, self.epoch)
-                with acc.accumulate(self.model):
-                    with acc.autocast():
-                        loss, stats = self.family.objective(
-                            self.model, batch, self.head_weight, self.settings, self.unwrapped()
-                        )
-                    acc.backward(loss)
-                    if acc.sync_gradients:
-                        grad_norm = acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    self.optimizer.zero_grad()
-                self.batch_in_epoch += 1
-                _add(window, stats)
-                window["loss_total"] = window.get("loss_total", 0.0) + float(loss.detach())
-                window["micro"] = window.get("micro", 0.0) + 1
-                if not acc.sync_gradients:
-                    continue
-                self.step += 1
-                bar.update(1)
-                if self.step % t.log_every == 0 or self.step == self.total_steps:
-                    self._log(window, time.perf_counter() - window_start, grad_norm, bar)
-                    window, window_start = {}, time.perf_counter()
-                if self.step % t.eval_every == 0 or self.step == self.total_steps:
-                    self._evaluate_and_keep_best()
-                if self.step % t.save_every == 0 or self.step == self.total_steps:
-                    self.save_checkpoint()
-                if self.step >= self.total_steps:
-                    done = True
-                    break
+            with self.loader(batches[self.batch_in_epoch : usable]) as loaded:  # (resumed: from where it stopped)
+                for features in loaded:
+                    batch: TrainBatch = {**features, "epoch": self.epoch}  # type: ignore[typeddict-item]
+                    with acc.accumulate(self.model):
+                        with acc.autocast():
+                            loss, stats = self.family.objective(
+                                self.model, batch, self.head_weight, self.settings, self.unwrapped()
+                            )
+                        acc.backward(loss)
+                        if acc.sync_gradients:
+                            grad_norm = acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+                        self.optimizer.step()
+                        self.scheduler.step()
+                        self.optimizer.zero_grad()
+                    self.batch_in_epoch += 1
+                    window.add({**stats, "loss_total": loss.detach()})
+                    if not acc.sync_gradients:
+                        continue
+                    self.step += 1
+                    bar.update(1)
+                    if self.step % t.log_every == 0 or self.step == self.total_steps:
+                        self._log(window, time.perf_counter() - window_start, grad_norm, bar)
+                        window, window_start = DeviceSums(self.device), time.perf_counter()
+                    if self.step % t.eval_every == 0 or self.step == self.total_steps:
+                        self._evaluate_and_keep_best()
+                    if self.step % t.save_every == 0 or self.step == self.total_steps:
+                        self.save_checkpoint()
+                    if self.step >= self.total_steps:
+                        done = True
+                        break
             if not done:
                 self.epoch += 1
                 self.batch_in_epoch = 0
@@ -446,10 +489,9 @@ class Trainer:
                 tracker.finish()
         return result
 
-    def _log(self, window: dict[str, float], seconds: float, grad_norm, bar) -> None:
+    def _log(self, window: DeviceSums, seconds: float, grad_norm: torch.Tensor | float | None, bar) -> None:
         acc = self.accelerator
-        keys = sorted(window)
-        totals = _reduce(acc, {k: window[k] for k in keys})
+        totals = window.read(acc, sorted(window.keys), {"grad_norm": grad_norm})
         s = summarize(totals, self.settings.steps)
         metrics = {
             "train/loss": totals["loss_total"] / max(totals["micro"], 1),
@@ -457,7 +499,7 @@ class Trainer:
             "train/oov_frac": s["oov_frac"],
             "train/tokens_per_s": totals["tokens"] / max(seconds, 1e-9),
             "train/lr": self.scheduler.get_last_lr()[0],
-            "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "train/grad_norm": totals["grad_norm"],
             "train/peak_memory_mb": _peak_memory_mb(self.device),
         }
         for i in range(self.settings.steps):
@@ -512,8 +554,7 @@ class Trainer:
         mine = holdout[acc.process_index :: acc.num_processes]
         for indices in mine:
             yield self.batch(indices, epoch=0)
-        online = isinstance(getattr(self.source, "source", self.source), OnlineFeatureSource)  # (through AuxSubset)
-        if online and holdout:
+        if self._online() and holdout:
             for _ in range(-(-len(holdout) // acc.num_processes) - len(mine)):
                 self.source.load_batch(holdout[0])  # the target's forward, in step with the other ranks
 
