@@ -1,9 +1,9 @@
 """Measuring the cost table (eval.schedule.CostTable) on the machine at hand, through the decoding engine itself.
 
 For each batch size, the engine decodes a batch of real prompts greedily with a fixed chain length γ = 0 (plain
-decoding) ... γmax and a fixed number of rounds, three times (the median is kept); the engine's own timers give each
+decoding) ... γmax and a fixed number of rounds, three times in turn (the median is kept); the engine's own timers give each
 round's verification time (one target pass `γ + 1` slots wide, with the acceptance rule) and drafting time. Drafting time per round is fitted as
-`round + (γ − 1) · step` (least squares over γ = 1 ... γmax): `round` is what a round costs whatever it drafts (the
+`round + (γ − 1) · step` (least squares over γ = 1 ... γmax), and the pass times made nondecreasing in the width: `round` is what a round costs whatever it drafts (the
 drafter's update with the verified tokens and its first position or block), `step` each further position. Timing
 through `decode` rather than bare forwards means the table holds what the scheduler will actually pay.
 """
@@ -22,6 +22,9 @@ from draftsmith.eval.proposers import NoDraft
 from draftsmith.eval.sampling import SamplingParams
 from draftsmith.eval.schedule import CostTable
 
+METHOD = 2
+"""The version of how tables are measured, part of the cache key: a table measured another way is measured again."""
+
 
 def _per_round(results, field: str) -> float:
     """Seconds per batch round of a decode (each row's share times the rows, over the batch's rounds)."""
@@ -29,13 +32,34 @@ def _per_round(results, field: str) -> float:
     return sum(getattr(r, field) for r in results) / max(rounds, 1)
 
 
-def _timed(run, repeats: int) -> tuple[float, float]:
-    """Median over `repeats` decodes of (verify, draft) seconds per round: one busy moment of the machine does not
-    become the table."""
-    samples = [run() for _ in range(repeats)]
-    verify = statistics.median(_per_round(r, "verify_seconds") for r in samples)
-    draft = statistics.median(_per_round(r, "draft_seconds") for r in samples)
-    return verify, draft
+def _timed(runs: dict[int, Any], repeats: int) -> dict[int, tuple[float, float]]:
+    """Per chain length, the median over `repeats` decodes of (verify, draft) seconds per round. The lengths take
+    turns (all once, then all again, ...): a drift of the machine's speed reaches every length alike, and one busy
+    moment does not become the table."""
+    samples: dict[int, list] = {g: [] for g in runs}
+    for _ in range(repeats):
+        for gamma, run in runs.items():
+            samples[gamma].append(run())
+    return {
+        g: (
+            statistics.median(_per_round(r, "verify_seconds") for r in rs),
+            statistics.median(_per_round(r, "draft_seconds") for r in rs),
+        )
+        for g, rs in samples.items()
+    }
+
+
+def nondecreasing(values: Sequence[float]) -> list[float]:
+    """The closest nondecreasing sequence in least squares (pool adjacent violators): a pass over more slots never
+    costs less, so where timing noise says it does, the neighbours are averaged."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    return [s / n for s, n in blocks for _ in range(int(n))]
 
 
 def measure_costs(
@@ -59,13 +83,16 @@ def measure_costs(
         for batch in batches:
             rows = [list(prompts[i % len(prompts)]) for i in range(batch)]
             decode(runner, proposer, rows, greedy, 1, 3)  # untimed: allocations and kernel choice for this shape
-            verify[batch] = {1: _timed(lambda r=rows: decode(runner, NoDraft(), r, greedy, 1, rounds + 1), repeats)[0]}
-            drafting = {}
+            # γ = 0 is plain decoding: a pass one slot wide, nothing drafted
+            runs = {0: lambda r=rows: decode(runner, NoDraft(), r, greedy, 1, rounds + 1)}
             for gamma in range(1, gamma_max + 1):
                 # at least `rounds` rounds per row even when every draft is accepted
                 n_new = (rounds + 1) * (gamma + 1)
-                run = lambda g=gamma, n=n_new, r=rows: decode(runner, proposer, r, greedy, g, n)  # noqa: E731
-                verify[batch][gamma + 1], drafting[gamma] = _timed(run, repeats)
+                runs[gamma] = lambda g=gamma, n=n_new, r=rows: decode(runner, proposer, r, greedy, g, n)
+            timed = _timed(runs, repeats)
+            widths = nondecreasing([timed[g][0] for g in sorted(timed)])
+            verify[batch] = {g + 1: w for g, w in zip(sorted(timed), widths)}
+            drafting = {g: timed[g][1] for g in timed if g > 0}
             gammas = sorted(drafting)
             if len(gammas) > 1:
                 mean_g = sum(g - 1 for g in gammas) / len(gammas)
@@ -84,6 +111,7 @@ def measure_costs(
 
 def cached_costs(cache_dir: Path, key: dict[str, Any], measure) -> tuple[CostTable, bool]:
     """The table cached under `key` in `cache_dir`, else `measure()` saved there. Returns (table, from cache)."""
+    key = {**key, "method": METHOD}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"costs-{digest}.json"
     if path.is_file():

@@ -27,7 +27,7 @@ import torch
 
 from draftsmith.drafters.vocab import draft_to_target_ids
 from draftsmith.eval.sampling import SamplingParams, probs_from_logits, sample
-from draftsmith.eval.schedule import CostSchedule
+from draftsmith.eval.schedule import CostSchedule, CostTable
 from draftsmith.eval.tree import Tree, prune
 
 
@@ -113,6 +113,18 @@ class TrainedProposer(NoDraft):
         self.vocab = drafter.config.vocab_size
         self.threshold = confidence_threshold
         self.aux_ids = list(drafter.config.aux_layer_ids)
+
+    def use(self, mode: str, costs: CostTable | None = None, threshold: float | None = None) -> None:
+        """The admission rule (eval.schedule): "fixed" (every active row drafts k), "threshold" (a row stops once its
+        running survival falls below `threshold`) or "cost" (the cost schedule over `costs`)."""
+        if mode == "cost" and costs is None:
+            raise ValueError("the cost schedule needs a cost table")
+        if mode == "threshold" and threshold is None:
+            raise ValueError("the threshold rule needs eval.confidence_threshold")
+        if mode not in ("fixed", "threshold", "cost"):
+            raise ValueError(f"unknown schedule {mode!r}: fixed, threshold or cost")
+        self.schedule = CostSchedule(costs) if mode == "cost" and costs is not None else None
+        self.threshold = threshold if mode == "threshold" else None
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, generators, rows: torch.Tensor):
         """(target token ids [B] on the CPU, the full-vocabulary q [B, V] they were sampled from; None when greedy)

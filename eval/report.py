@@ -47,7 +47,65 @@ def markdown_table(ev: dict[str, Any]) -> str:
                 + ", ".join(f"{d}: {v['prompts']}/{v['of']}" for d, v in run["greedy_divergence"].items())
             )
         lines.append("")
+    if ev.get("batch_curve"):
+        lines.append(curve_table(ev["batch_curve"]))
     return "\n".join(lines)
+
+
+def curve_table(points: list[dict[str, Any]]) -> str:
+    """The batch curve as one table per temperature: tokens/s of plain decoding, then each drafter and schedule as a
+    speedup with its verified draft slots per row and round."""
+    lines = []
+    for t in sorted({p["temperature"] for p in points}):
+        at = [p for p in points if p["temperature"] == t]
+        configs = list(dict.fromkeys((p["drafter"], p["schedule"]) for p in at if p["drafter"] != "none"))
+        lines += [
+            f"### Batch curve, T = {t}: speedup over plain decoding (verified draft slots per row and round)",
+            "| batch | plain tok/s | " + " | ".join(f"{d} {m}" for d, m in configs) + " |",
+            "|---" * (2 + len(configs)) + "|",
+        ]
+        for b in sorted({p["batch"] for p in at}):
+            row = {(p["drafter"], p["schedule"]): p for p in at if p["batch"] == b}
+            plain = row.get(("none", "-"))
+            cells = [str(b), f"{plain['tokens_per_s']:.1f}" if plain else "-"]
+            for c in configs:
+                p = row.get(c)
+                cells.append(f"{p['speedup']:.2f}x ({p['slots_per_row_round']:.2f})" if p else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def curve_plot(points: list[dict[str, Any]], path: Path) -> None:
+    """Tokens/s against batch size (left) and verified draft slots per row and round (right), one line per drafter
+    and schedule, one row of panels per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({p["temperature"] for p in points})
+    fig, axes = plt.subplots(len(temps), 2, figsize=(11, 4 * len(temps)), squeeze=False)
+    for (rate_ax, slot_ax), t in zip(axes, temps):
+        at = [p for p in points if p["temperature"] == t]
+        for d, m in dict.fromkeys((p["drafter"], p["schedule"]) for p in at):
+            line = sorted((p for p in at if (p["drafter"], p["schedule"]) == (d, m)), key=lambda p: p["batch"])
+            label = "plain decoding" if d == "none" else f"{d} {m}"
+            xs = [p["batch"] for p in line]
+            rate_ax.plot(xs, [p["tokens_per_s"] for p in line], marker="o", label=label)
+            if d != "none":
+                slot_ax.plot(xs, [p["slots_per_row_round"] for p in line], marker="o", label=label)
+        for ax in (rate_ax, slot_ax):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size (rows)")
+            ax.legend(fontsize=7)
+        rate_ax.set_ylabel("tokens/s")
+        rate_ax.set_title(f"throughput by batch size (T = {t:g})")
+        slot_ax.set_ylabel("verified draft slots per row and round")
+        slot_ax.set_title(f"what the schedule verifies (T = {t:g})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plots(ev: dict[str, Any], out: Path) -> list[str]:
@@ -116,4 +174,7 @@ def plots(ev: dict[str, Any], out: Path) -> list[str]:
             fig.savefig(out / f"reliability_{tag}.png", dpi=110)
             plt.close(fig)
             written.append(f"reliability_{tag}.png")
+    if ev.get("batch_curve"):
+        curve_plot(ev["batch_curve"], out / "batch_curve.png")
+        written.append("batch_curve.png")
     return written

@@ -19,7 +19,8 @@ stops when that cannot pay for the step and the wider pass.
 Before a round, whether to run the drafter at all: from each row's first-slot confidence of the last round it
 drafted (one round old), drafting pays when those predicted first slots raise the rate above a plain step's. A
 round that does not draft costs the drafter nothing (EAGLE-3 catches up on the verified slots in one pass when it
-next drafts), and the drafter is asked again after 1, 2, 4, ... such rounds to refresh its confidences.
+next drafts), and the drafter is asked again after n, 2n, 4n, ... such rounds to refresh its confidences, n chosen
+so that these probes cost at most a small share (`probe_share`) of the time they save.
 
 Non-anticipating: whether slot i is verified depends on the confidences c_0..c_i of the rows, which the drafter
 computes before drawing x_i, never on x_i or anything drawn after it; so the verifier's output keeps the target's
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -108,6 +110,9 @@ class CostSchedule:
 
     max_backoff = 64
     """Most rounds in a row without drafting before the drafter is asked again (to refresh its confidences)."""
+    probe_share = 0.02
+    """At most this share of a plain step's time, averaged over the rounds skipped, goes to asking a drafter that does
+    not pay again: the first probe waits `draft round / (probe_share * plain step)` rounds (then twice as many, ...)."""
 
     def __init__(self, costs: CostTable):
         self.costs = costs
@@ -132,6 +137,9 @@ class CostSchedule:
         if draft >= plain:
             self.skipped, self.backoff = 0, 1
             return True
+        # a probe costs a draft round: wait until the rounds skipped since the last one make it a small share
+        floor = math.ceil(c.round_time(batch) / (self.probe_share * c.verify_time(1, batch)))
+        self.backoff = min(max(self.backoff, floor), self.max_backoff)
         if self.skipped >= self.backoff:  # probe, after `backoff` skipped rounds: decided by that count alone
             self.skipped, self.backoff = 0, min(2 * self.backoff, self.max_backoff)
             return True

@@ -1,23 +1,23 @@
-"""Tokens/s of a run's trained drafters against plain decoding, per verification schedule and batch size, measured
-side by side in one process (eval.schedule: fixed γ, the confidence threshold, the cost-based schedule).
+"""Speedup of a run's trained drafters over plain decoding under each verification schedule (eval.schedule: fixed γ,
+the confidence threshold, the cost schedule), measured side by side in one process: per domain at batch 1, and
+against batch size (the batch curve).
 
-    python launch/bench_schedule.py runs/demo/config.yaml [--batches 1,4,16] [--per-domain 2] [--max-new-tokens 96]
-        [--temperatures 0,1] [--threshold 0.5] [--out DIR]
+    python launch/bench_schedule.py runs/demo/config.yaml [--per-domain 2] [--repeats 1] [--max-new-tokens 64]
+        [--temperatures 0,1] [--batches 1,4,16,64] [--curve-temperatures 0] [--threshold 0.5] [--out DIR]
 
-For every batch size, the eval prompts (the first `--per-domain` of each domain, repeated to fill the batch) are
-decoded in batches of that size by plain decoding and by each trained drafter under each schedule; tokens/s is new
-tokens over wall time, summed over the batches. The cost tables are measured first (and cached like eval's). Prints
-a table per temperature, the cost tables, the verified slots per row and round, writes OUT/bench_schedule.json and
-a plot of tokens/s against batch size (OUT/bench_schedule.png).
+Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding and then by
+every (drafter, schedule), one right after the other, `--repeats` times; a domain's tokens/s is its tokens over its
+wall time. The batch curve is eval's own (eval.batch_curve, `eval.curve`). The cost tables are measured first (cached
+like eval's, per run and batch sizes). Prints the per-domain tables, the cost tables and the curve as Markdown,
+and writes OUT/bench_schedule.json and OUT/batch_curve.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import defaultdict
-from itertools import zip_longest
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -25,10 +25,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
-    ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--per-domain", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", default="0,1", help="per-domain tables at these temperatures ('' for none)")
+    ap.add_argument("--batches", default="1,4,16,64", help="batch curve sizes ('' for none)")
+    ap.add_argument("--curve-temperatures", default="0")
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -37,147 +39,145 @@ def main() -> None:
 
     from draftsmith.data.chat import stop_token_ids
     from draftsmith.eval.costs import cached_costs, measure_costs
-    from draftsmith.eval.engine import decode
+    from draftsmith.eval.curve import batch_curve, curve_points
     from draftsmith.eval.proposers import NoDraft
+    from draftsmith.eval.report import curve_plot, curve_table
     from draftsmith.eval.runner import HFTarget
-    from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
-    from draftsmith.eval.schedule import CostSchedule
+    from draftsmith.eval.sampling import SamplingParams
     from draftsmith.pipeline.config import load_config
-    from draftsmith.pipeline.evaluate import eval_prompts
+    from draftsmith.pipeline.evaluate import Decoder, eval_prompts, summarize
     from draftsmith.pipeline.families import get_family, load_drafter
     from draftsmith.pipeline.inputs import trained_drafter
     from draftsmith.pipeline.target import cache_root, load_target
 
-    batches = [int(b) for b in args.batches.split(",")]
-    temperatures = [float(t) for t in args.temperatures.split(",")]
+    floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
+    batches = [int(b) for b in args.batches.split(",") if b]
     cfg = load_config(args.config, [*args.overrides, f"eval.max_prompts_per_domain={args.per_domain}"])
     out = args.out or cfg.run_path / "bench_schedule"
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.model)
     tok, model = target.tokenizer, target.model
-    stops = stop_token_ids(tok, model)
     prompts = eval_prompts(cfg, tok)
     gamma = cfg.eval.draft_length
-    by_domain = defaultdict(list)
-    for p in prompts:
-        by_domain[p["domain"]].append(p)
-    mixed = [p for group in zip_longest(*by_domain.values()) for p in group if p is not None]
-    drafters = {}
-    for family in cfg.train.drafters:
-        d = load_drafter(trained_drafter(cfg, target.identity, None, family)).to(target.device, model.dtype)
-        drafters[family] = get_family(family).proposer(d, cfg.eval)
-    cache = cache_root() / "costs"
-    print(
-        f"{len(prompts)} prompts, drafters {list(drafters)}, γ {gamma}, {args.max_new_tokens} new tokens, "
-        f"{model.dtype}, {torch.get_num_threads()} threads, CPU kernels {torch.backends.cpu.get_cpu_capability()}"
-    )
+    schedules = ("fixed", "threshold", "cost")
 
-    runners = {name: HFTarget(model, p.aux_ids, tok.pad_token_id) for name, p in drafters.items()}
-    runners["plain"] = HFTarget(model, None, tok.pad_token_id)
-    costs = {}
-    for name, proposer in drafters.items():
+    # one proposer per (drafter, schedule) for the per-domain tables; the batch curve switches one per drafter
+    families, tables = {}, {}
+    for family in cfg.train.drafters:
+        families[family] = load_drafter(trained_drafter(cfg, target.identity, None, family)).to(
+            target.device, model.dtype
+        )
+    proposers = {"none": NoDraft()}
+    for family, d in families.items():
+        proposers[family] = get_family(family).proposer(d, cfg.eval)
+        for mode in schedules:
+            proposers[f"{family}/{mode}"] = get_family(family).proposer(d, cfg.eval)
+    decoder = Decoder(
+        runners={n: HFTarget(model, p.aux_ids, tok.pad_token_id) for n, p in proposers.items()},
+        proposers=proposers,
+        gammas={n: getattr(p, "length", None) or gamma for n, p in proposers.items()},
+        stops=stop_token_ids(tok, model),
+        tree=None,
+        seed=cfg.eval.seed,
+        device=target.device,
+    )
+    print(
+        f"{len(prompts)} prompts, drafters {list(families)}, γ {gamma}, {args.max_new_tokens} new tokens, "
+        f"{model.dtype}, {torch.get_num_threads()} threads, CPU kernels {torch.backends.cpu.get_cpu_capability()}",
+        flush=True,
+    )
+    sizes = sorted({1, *batches})
+    rows = [p["ids"] for p in prompts]
+    for family in families:
         key = {
             "target": json.dumps(target.identity, sort_keys=True),
             "dtype": str(model.dtype),
             "device": str(target.device),
-            "drafter": name,
-            "batches": batches,
+            "drafter": family,
+            "batches": sizes,
             "gamma": gamma,
-            "rounds": 6,
+            "rounds": cfg.eval.cost_rounds,
             "run": str(cfg.run_path),
         }
-        table, cached = cached_costs(
-            cache,
-            key,
-            lambda p=proposer, n=name: measure_costs(runners[n], p, [q["ids"] for q in prompts], batches, gamma),
+        measure = lambda f=family: measure_costs(  # noqa: E731
+            decoder.runners[f], proposers[f], rows, sizes, decoder.gammas[f], cfg.eval.cost_rounds
         )
-        costs[name] = table
-        print(
-            f"cost table {name} ({'cached' if cached else 'measured'}): verify (batch -> width -> ms) "
-            + "; ".join(
-                f"{b}: " + " ".join(f"{w}:{1e3 * s:.0f}" for w, s in sorted(row.items()))
-                for b, row in sorted(table.verify.items())
-            )
-            + f" | round ms {dict((b, round(1e3 * s, 1)) for b, s in table.draft_round.items())}"
-            + f" | step ms {dict((b, round(1e3 * s, 1)) for b, s in table.draft_step.items())}"
-        )
+        tables[family], cached = cached_costs(cache_root() / "costs", key, measure)
+        print(f"cost table {family} ({'cached' if cached else 'measured'})", flush=True)
+    use = lambda name, mode: proposers[name].use(mode, tables[name.split("/")[0]], args.threshold)  # noqa: E731
+    for family in families:
+        for mode in schedules:
+            use(f"{family}/{mode}", mode)
+    print(_cost_markdown(tables), flush=True)
 
-    def configure(proposer, mode, name):
-        proposer.schedule, proposer.threshold = None, None
-        if mode == "threshold":
-            proposer.threshold = args.threshold
-        elif mode == "cost":
-            proposer.schedule = CostSchedule(costs[name])
+    # warm-up, untimed: allocations and kernel choice, for every configuration
+    for name in proposers:
+        decoder.run(prompts[:1], name, SamplingParams(), 8)
 
-    results: dict = defaultdict(dict)
-    for temperature in temperatures:
+    record: dict = {"settings": vars(args) | {"out": str(out)}, "per_domain": [], "batch_curve": []}
+    names = ["none"] + [f"{f}/{m}" for f in families for m in schedules]
+    for temperature in floats(args.temperatures):
         params = SamplingParams(temperature, cfg.eval.top_p, cfg.eval.top_k)
-        for B in batches:
-            # max(B, 8) rows, the domains taken in turn, decoded B at a time
-            rows = [mixed[i % len(mixed)] for i in range(max(B, 8))]
-            groups = [rows[i : i + B] for i in range(0, len(rows), B)]
-            runs = [("plain", "-", NoDraft())] + [
-                (n, m, p) for n, p in drafters.items() for m in ("fixed", "threshold", "cost")
-            ]
-            for name, mode, proposer in runs:
-                if name != "plain":
-                    configure(proposer, mode, name)
-                tokens = seconds = slots = rounds = 0.0
-                for group in groups:
-                    gens = [
-                        make_generator(target.device, derive_seed(0, p["id"] + str(j), temperature))
-                        for j, p in enumerate(group)
-                    ]
-                    t0 = time.perf_counter()
-                    res = decode(
-                        runners[name],
-                        proposer,
-                        [p["ids"] for p in group],
-                        params,
-                        gamma,
-                        args.max_new_tokens,
-                        stops,
-                        gens,
-                    )
-                    seconds += time.perf_counter() - t0
-                    tokens += sum(len(r.tokens) for r in res)
-                    slots += sum(d for r in res for d, _ in r.rounds)
-                    rounds += sum(len(r.rounds) for r in res)
-                results[temperature][(B, name, mode)] = {
-                    "tokens_per_s": tokens / seconds,
-                    "slots_per_row_round": slots / max(rounds, 1),
-                    "tau": tokens / max(rounds, 1),
-                }
-            base = results[temperature][(B, "plain", "-")]["tokens_per_s"]
-            line = " | ".join(
-                f"{n}/{m} {r['tokens_per_s'] / base:.2f}x ({r['slots_per_row_round']:.2f} slots)"
-                for (b, n, m), r in results[temperature].items()
-                if b == B and n != "plain"
-            )
-            print(f"T={temperature} batch {B}: plain {base:.1f} tok/s | {line}", flush=True)
+        by: dict = defaultdict(lambda: defaultdict(list))
+        diverged: dict = defaultdict(int)
+        for rep in range(args.repeats):
+            # the per-domain runs use `decoder.proposers` restricted to plain + per-schedule proposers
+            sub = replace(decoder, proposers={n: proposers[n] for n in names})
+            part, div = sub.temperature([[p] for p in prompts], params, args.max_new_tokens, f"T={temperature} #{rep}")
+            for domain, per in part.items():
+                for n, results in per.items():
+                    by[domain][n].extend(results)
+            for n, v in div.items():
+                diverged[n] += v
+        run = summarize(temperature, by, diverged, decoder.gammas, names, len(prompts) * args.repeats, params.greedy)
+        record["per_domain"].append(run)
+        print(_domain_markdown(run, list(families)), flush=True)
 
-    record = {str(t): {f"{b}/{n}/{m}": r for (b, n, m), r in res.items()} for t, res in results.items()}
-    (out / "bench_schedule.json").write_text(json.dumps(record, indent=2))
-    import matplotlib
+    for temperature in floats(args.curve_temperatures) if batches else []:
+        params = SamplingParams(temperature, cfg.eval.top_p, cfg.eval.top_k)
+        configs = [(f, m) for f in families for m in schedules]
+        sums = batch_curve(decoder.run, configs, use, prompts, batches, params, args.max_new_tokens)
+        record["batch_curve"] += curve_points(sums, temperature)
+        print(curve_table([p for p in record["batch_curve"] if p["temperature"] == temperature]), flush=True)
+    if record["batch_curve"]:
+        curve_plot(record["batch_curve"], out / "batch_curve.png")
+    record["costs"] = {f: vars(t) for f, t in tables.items()}
+    (out / "bench_schedule.json").write_text(json.dumps(record, indent=2, default=str))
+    print(f"wrote {out / 'bench_schedule.json'}" + (f" and {out / 'batch_curve.png'}" if record["batch_curve"] else ""))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
-    for ax, temperature in zip(axes[0], temperatures):
-        res = results[temperature]
-        for name, mode in sorted({(n, m) for _, n, m in res}):
-            ax.plot(
-                batches, [res[(b, name, mode)]["tokens_per_s"] for b in batches], marker="o", label=f"{name} {mode}"
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size (rows)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"T = {temperature}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "bench_schedule.png", dpi=120)
-    print(f"wrote {out / 'bench_schedule.json'} and {out / 'bench_schedule.png'}")
+def _domain_markdown(run: dict, families: list[str]) -> str:
+    """Per domain: plain tok/s, then each drafter's speedup (τ) under each schedule; the last row is all domains."""
+    cols = [f"{f}/{m}" for f in families for m in ("fixed", "threshold", "cost")]
+    lines = [
+        f"### T = {run['temperature']}, batch 1: speedup over plain decoding (τ)",
+        "| domain | prompts | plain tok/s | " + " | ".join(cols) + " |",
+        "|---" * (3 + len(cols)) + "|",
+    ]
+    rows = [*run["domains"].items(), ("**all**", run["overall"])]
+    for domain, row in rows:
+        plain = row["none"]
+        cells = [domain, str(plain["prompts"]), f"{plain['tokens_per_s']:.1f}"]
+        cells += [f"{row[c]['speedup']:.2f}x ({row[c]['tau']:.2f})" for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cost_markdown(tables: dict) -> str:
+    """Each drafter's cost table: ms of a target pass by batch size and width, and of drafting."""
+    lines = []
+    for name, t in tables.items():
+        widths = sorted({w for row in t.verify.values() for w in row})
+        lines += [
+            f"### Cost table: {name} (ms)",
+            "| batch | " + " | ".join(f"verify {w}" for w in widths) + " | draft round | draft step |",
+            "|---" * (len(widths) + 3) + "|",
+        ]
+        for b, row in sorted(t.verify.items()):
+            cells = " | ".join(f"{1e3 * row[w]:.1f}" for w in widths)
+            lines.append(f"| {b} | {cells} | {1e3 * t.draft_round[b]:.1f} | {1e3 * t.draft_step[b]:.1f} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -410,6 +410,10 @@ class EvalConfig(Section):
     """Tree nodes verified per round."""
     batch_size: int = Field(8, ge=1)
     """Prompts decoded together per round (same domain); 1 = one prompt at a time."""
+    batch_curve: list[Annotated[int, Field(ge=1)]] = []
+    """Batch sizes (rows) at which tokens/s of plain decoding, fixed γ and the schedule are also measured side by
+    side, e.g. [1, 4, 16, 64]: the report's batch curve, with the verified slots per row and round. Each size decodes
+    max(size, 8) rows, the eval prompts taken in turn across domains. Empty: not measured."""
     drafters: list[Literal["trained", "prompt_lookup", "none"]] = ["none", "prompt_lookup", "trained"]
     """What to evaluate; plain decoding (`none`) always runs as the speedup baseline."""
     drafter_path: str | None = None

@@ -21,13 +21,14 @@ from draftsmith.data.artifacts import atomic_write_text, write_manifest
 from draftsmith.data.chat import prompt_ids, stop_token_ids
 from draftsmith.data.sources import iter_conversations
 from draftsmith.eval.costs import cached_costs, measure_costs
+from draftsmith.eval.curve import MIN_ROWS, batch_curve, curve_points
 from draftsmith.eval.engine import TreeSpec, decode
 from draftsmith.eval.metrics import acceptance_stats, calibration
 from draftsmith.eval.proposers import NoDraft, PromptLookup, TrainedProposer
 from draftsmith.eval.report import markdown_table, plots
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
-from draftsmith.eval.schedule import CostSchedule
+from draftsmith.eval.schedule import CostTable
 from draftsmith.pipeline.completion import clear, stage_inputs, write_progress
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
@@ -101,7 +102,7 @@ def _proposers(cfg: RunConfig, target, drafter: str | None, tree: TreeSpec | Non
 
 
 @dataclass
-class _Decoder:
+class Decoder:
     """Runs one batch of prompts with one proposer through the engine: what every call of `run_eval` shares."""
 
     runners: dict[str, HFTarget]
@@ -147,48 +148,86 @@ class _Decoder:
         return by, diverged
 
 
-def _schedules(cfg: RunConfig, decoder: _Decoder, target, drafter_info, prompts) -> dict[str, Any]:
-    """Set each trained proposer's admission rule (eval.schedule); for `cost`, measure (or reuse) its cost table.
-    Returns the tables for the record."""
+def _schedules(cfg: RunConfig, decoder: Decoder, target, drafter_info, prompts) -> tuple[dict[str, Any], dict]:
+    """Set each trained proposer's admission rule (eval.schedule); where the cost schedule runs (the eval's own, or
+    the batch curve's), measure (or reuse) its cost table. Returns the tables, and their record."""
     e = cfg.eval
-    mode, out = e.resolved_schedule(), {}
+    mode = e.resolved_schedule()
     if decoder.tree is not None:
         mode = "fixed"  # a tree is verified whole: its size is eval.tree_nodes
-    batches = sorted({1, e.batch_size})
+    batches = sorted({1, e.batch_size, *e.batch_curve})
     cache = cache_root() / "costs"
+    tables: dict[str, CostTable] = {}
+    record: dict[str, Any] = {}
     for name, proposer in decoder.proposers.items():
         if not isinstance(proposer, TrainedProposer):
             continue
-        proposer.schedule = None
-        if mode != "threshold":
-            proposer.threshold = None
-        if mode != "cost":
-            continue
-        key = {
-            "target": json.dumps(target.identity, sort_keys=True),
-            "dtype": str(target.model.dtype),
-            "device": str(target.device),
-            "drafter": json.dumps(drafter_info.get(name, {}).get("config"), sort_keys=True),
-            "batches": batches,
-            "gamma": decoder.gammas[name],
-            "rounds": e.cost_rounds,
-        }
+        if mode == "cost" or e.batch_curve:
+            key = {
+                "target": json.dumps(target.identity, sort_keys=True),
+                "dtype": str(target.model.dtype),
+                "device": str(target.device),
+                "drafter": json.dumps(drafter_info.get(name, {}).get("config"), sort_keys=True),
+                "batches": batches,
+                "gamma": decoder.gammas[name],
+                "rounds": e.cost_rounds,
+            }
 
-        def measure(name=name, proposer=proposer):
-            log.info("eval: measuring the cost table of %s (batch sizes %s)", name, batches)
-            return measure_costs(
-                decoder.runners[name],
-                proposer,
-                [p["ids"] for p in prompts],
-                batches,
-                decoder.gammas[name],
-                e.cost_rounds,
-            )
+            def measure(name=name, proposer=proposer):
+                log.info("eval: measuring the cost table of %s (batch sizes %s)", name, batches)
+                return measure_costs(
+                    decoder.runners[name],
+                    proposer,
+                    [p["ids"] for p in prompts],
+                    batches,
+                    decoder.gammas[name],
+                    e.cost_rounds,
+                )
 
-        table, cached = cached_costs(cache, key, measure)
-        proposer.schedule = CostSchedule(table)
-        out[name] = {"cached": cached, **asdict(table)}
-    return out
+            tables[name], cached = cached_costs(cache, key, measure)
+            record[name] = {"cached": cached, **asdict(tables[name])}
+        proposer.use(mode, tables.get(name), e.confidence_threshold)
+    return tables, record
+
+
+def _batch_curve(cfg: RunConfig, decoder: Decoder, tables: dict, prompts, params: SamplingParams, rank: str):
+    """The batch curve at one temperature (eval.batch_curve): plain decoding, fixed γ and the schedules, side by side
+    at each batch size; each rank decodes a share of the groups and the sums are merged. Leaves every trained
+    proposer on eval's own schedule."""
+    e, state = cfg.eval, dist_state()
+    mode = e.resolved_schedule() if decoder.tree is None else "fixed"
+    trained = [n for n, p in decoder.proposers.items() if isinstance(p, TrainedProposer)]
+    schedules = ["fixed", *(["threshold"] if e.confidence_threshold is not None else []), "cost"]
+    configs = [(n, m) for n in trained for m in schedules]
+    use = lambda name, m: decoder.proposers[name].use(m, tables.get(name), e.confidence_threshold)  # noqa: E731
+    rows = sum(max(b, MIN_ROWS) for b in e.batch_curve)
+    bar = tqdm(total=rows // state.num_processes, desc=f"batch curve T={params.temperature}{rank}", unit="row")
+    sums = batch_curve(
+        decoder.run,
+        configs,
+        use,
+        prompts,
+        e.batch_curve,
+        params,
+        e.max_new_tokens,
+        part=lambda groups: groups[state.process_index :: state.num_processes],
+        progress=bar.update,
+    )
+    bar.close()
+    for name in trained:
+        use(name, mode)
+    if state.num_processes > 1:
+        import torch.distributed as dist
+
+        shards: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, sums)
+        merged: dict = defaultdict(lambda: defaultdict(float))
+        for shard in shards:
+            for k, s in shard.items():
+                for field, v in s.items():
+                    merged[k][field] += v
+        sums = merged
+    return curve_points(sums, params.temperature)
 
 
 def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
@@ -207,7 +246,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         raise StageError("eval.tree_depth (tree drafting) runs one prompt at a time: set eval.batch_size=1")
     tree = TreeSpec(e.tree_depth, e.tree_top_k, e.tree_nodes) if e.tree_depth else None
     proposers, drafter_info = _proposers(cfg, target, drafter, tree)
-    decoder = _Decoder(
+    decoder = Decoder(
         runners={name: HFTarget(model, p.aux_ids, tok.pad_token_id) for name, p in proposers.items()},
         proposers=proposers,
         gammas={name: getattr(p, "length", None) or e.draft_length for name, p in proposers.items()},
@@ -225,7 +264,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         by_domain[p["domain"]].append(p)
     batches = [group[i : i + e.batch_size] for group in by_domain.values() for i in range(0, len(group), e.batch_size)]
     mine = batches[state.process_index :: state.num_processes]
-    costs = _schedules(cfg, decoder, target, drafter_info, batches[0])
+    tables, costs = _schedules(cfg, decoder, target, drafter_info, batches[0])
     # Warm-up, untimed: the first calls of a process pay for allocations and kernel selection; without this,
     # whichever drafter runs first (plain decoding) absorbs them and every speedup is biased upward.
     for name in proposers:
@@ -250,11 +289,13 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         by, diverged = decoder.temperature(mine, params, e.max_new_tokens, f"eval T={temperature}{rank}")
         if state.num_processes > 1:
             by, diverged = _gather_results(by, diverged)
-            if not state.is_main_process:
-                continue
+        curve = _batch_curve(cfg, decoder, tables, prompts, params, rank) if e.batch_curve else []
+        if not state.is_main_process:
+            continue
         ev["runs"].append(
-            _summary(temperature, by, diverged, decoder.gammas, list(proposers), len(prompts), params.greedy)
+            summarize(temperature, by, diverged, decoder.gammas, list(proposers), len(prompts), params.greedy)
         )
+        ev["batch_curve"] = ev.get("batch_curve", []) + curve
         # each temperature's results are on disk as soon as they exist (marked incomplete until the last one):
         # a failure at a later temperature loses nothing already measured
         out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +309,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
     return out
 
 
-def _summary(temperature, by, diverged, gammas, names, n_prompts, greedy) -> dict[str, Any]:
+def summarize(temperature, by, diverged, gammas, names, n_prompts, greedy) -> dict[str, Any]:
     """One temperature's statistics: per domain and overall, speedups against plain decoding."""
     domains = {}
     for domain, per in by.items():

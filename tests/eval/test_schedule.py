@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from draftsmith.eval.costs import nondecreasing
 from draftsmith.eval.engine import decode
 from draftsmith.eval.proposers import DSparkProposer, Eagle3Proposer, Proposal
 from draftsmith.eval.runner import HFTarget
@@ -45,14 +46,30 @@ def test_admission_follows_the_rate():
 
 
 def test_rounds_without_drafting_back_off_and_probe_again():
-    """A drafter that does not pay is asked again after 1, 2, 4, ... skipped rounds (at most max_backoff)."""
-    s = CostSchedule(TABLE)
+    """A drafter that does not pay is asked again after n, 2n, 4n, ... skipped rounds (at most max_backoff), n the
+    fewest rounds whose plain steps make a probe's draft round at most `probe_share` of their time."""
     low, on = torch.tensor([0.01], dtype=torch.float64), torch.tensor([True])
+    cheap = CostTable(verify=TABLE.verify, draft_step=TABLE.draft_step, draft_round={1: 0.001, 4: 0.001})
+    s = CostSchedule(cheap)  # a round costs 0.1% of a plain step: n = 1
     decisions = [s.worth_drafting(low, on) for _ in range(16)]
-    probes = [i for i, d in enumerate(decisions) if d]
-    assert probes == [1, 4, 9]  # after 1 skipped round, then 2, then 4
+    assert [i for i, d in enumerate(decisions) if d] == [1, 4, 9]  # after 1 skipped round, then 2, then 4
     assert s.worth_drafting(torch.tensor([0.9], dtype=torch.float64), on)  # paying again: drafts, backoff reset
     assert s.backoff == 1
+    s = CostSchedule(TABLE)  # a round costs 10% of a plain step: n = 0.1 / 0.02 = 5
+    decisions = [s.worth_drafting(low, on) for _ in range(40)]
+    assert [i for i, d in enumerate(decisions) if d] == [5, 16, 37]  # after 5, then 10, then 20 skipped rounds
+    s.max_backoff = 8
+    s.reset()
+    decisions = [s.worth_drafting(low, on) for _ in range(20)]
+    assert [i for i, d in enumerate(decisions) if d] == [5, 14]  # never more than max_backoff skipped in a row
+
+
+def test_pass_times_are_made_nondecreasing_in_the_width():
+    """Timing noise that makes a wider pass look cheaper is pooled away (least squares); a monotone row is kept."""
+    assert nondecreasing([58.0, 60.0, 65.0, 66.0, 60.0, 62.0]) == [58.0, 60.0, 63.25, 63.25, 63.25, 63.25]
+    assert nondecreasing([72.6, 108.3, 75.9]) == pytest.approx([72.6, 92.1, 92.1])
+    assert nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert nondecreasing([]) == []
 
 
 # For the tiny DSpark drafter, whose confidences lie between 0.48 and 0.77: slot 0 pays from about 0.62 alone, so

@@ -118,21 +118,51 @@ def test_eval_stage(tmp_path):
     assert json.loads((out / "eval.json").read_text()) == ev  # the first evaluation is untouched
 
     # the cost schedule: a cost table measured through the engine at the batch sizes eval runs, in the record and
-    # the report; greedy output still the target's own
-    argv = ["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.schedule=cost"]
-    assert main([*argv, "eval.batch_size=2", "eval.output=eval-cost", "eval.drafters=[none,trained]"]) == 0
+    # the report; greedy output still the target's own. With the batch curve: plain decoding, fixed γ and the
+    # schedule at batch 1 and 3, at both temperatures, in the record, the report and its plot.
+    argv = ["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0,1", "eval.schedule=cost"]
+    curve_args = [
+        "eval.batch_size=2",
+        "eval.output=eval-cost",
+        "eval.drafters=[none,trained]",
+        "eval.batch_curve=[1,3]",
+    ]
+    assert main([*argv, *curve_args]) == 0
     cost = json.loads((tmp_path / "run" / "eval-cost" / "eval.json").read_text())
     table = cost["costs"]["eagle3"]
-    assert set(table["verify"]) == {"1", "2"} and set(table["verify"]["2"]) == {"1", "2", "3", "4"}
+    assert set(table["verify"]) == {"1", "2", "3"} and set(table["verify"]["2"]) == {"1", "2", "3", "4"}
     assert all(v > 0 for row in table["verify"].values() for v in row.values()) and not table["cached"]
     assert cost["settings"]["schedule"] == "cost" and cost["runs"][0]["greedy_divergence"]["eagle3"]["prompts"] == 0
-    assert "Cost table: eagle3" in (tmp_path / "run" / "eval-cost" / "report.md").read_text()
+    curve = {(p["temperature"], p["batch"], p["drafter"], p["schedule"]): p for p in cost["batch_curve"]}
+    assert set(curve) == {
+        (t, b, d, m)
+        for t in (0.0, 1.0)
+        for b in (1, 3)
+        for d, m in (("none", "-"), ("eagle3", "fixed"), ("eagle3", "cost"))
+    }
+    for (t, b, d, m), p in curve.items():
+        assert p["rows"] == 8 and p["tokens_per_s"] > 0 and p["tau"] >= 1.0, (t, b, d, m)
+        plain = curve[(t, b, "none", "-")]
+        assert abs(p["speedup"] - p["tokens_per_s"] / plain["tokens_per_s"]) < 1e-9
+        assert p["slots_per_row_round"] == (0.0 if d == "none" else p["slots_per_row_round"])
+    assert all(curve[(t, b, "eagle3", "fixed")]["slots_per_row_round"] > 0 for t in (0.0, 1.0) for b in (1, 3))
+    report = (tmp_path / "run" / "eval-cost" / "report.md").read_text()
+    assert "Cost table: eagle3" in report and "Batch curve, T = 1.0" in report and "| 3 |" in report
+    assert (tmp_path / "run" / "eval-cost" / "batch_curve.png").is_file()
 
     # under torchrun (2 gloo ranks) each rank decodes a share of the batches; the merged greedy results are the
     # single process's, count for count; then export (a single-writer stage) under the same launch
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
     for stage in (
-        ["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--temperature", "0", "eval.output=eval-2ranks"],
+        [
+            "eval",
+            str(recipe),
+            f"run_dir={tmp_path / 'run'}",
+            "--temperature",
+            "0",
+            "eval.output=eval-2ranks",
+            "eval.batch_curve=[1,3]",
+        ],
         ["export", str(recipe), f"run_dir={tmp_path / 'run'}", "export.dtype=float32"],
     ):
         proc = subprocess.run(
@@ -163,6 +193,13 @@ def test_eval_stage(tmp_path):
                 name,
             )
     assert two["runs"][0]["greedy_divergence"] == first["runs"][0]["greedy_divergence"]
+    # the batch curve's groups split over the ranks and merged: the same rows and (greedy) tokens as one process,
+    # and where no schedule decides from timings, the same verified slots
+    for p in two["batch_curve"]:
+        one = curve[(p["temperature"], p["batch"], p["drafter"], p["schedule"])]
+        assert p["rows"] == one["rows"]
+        if p["schedule"] != "cost":
+            assert (p["tau"], p["slots_per_row_round"]) == (one["tau"], one["slots_per_row_round"])
     assert json.loads((tmp_path / "run" / "export" / "manifest.json").read_text())["kind"] == "export"
 
 
