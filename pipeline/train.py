@@ -468,7 +468,7 @@ class Trainer:
                     self.step += 1
                     bar.update(1)
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
-                        self._log(window, time.perf_counter() - window_start, grad_norm, bar)
+                        self._log(window, window_start, grad_norm, bar)
                         window, window_start = DeviceSums(self.device), time.perf_counter()
                     if self.step % t.eval_every == 0 or self.step == self.total_steps:
                         self._evaluate_and_keep_best()
@@ -489,9 +489,11 @@ class Trainer:
                 tracker.finish()
         return result
 
-    def _log(self, window: DeviceSums, seconds: float, grad_norm: torch.Tensor | float | None, bar) -> None:
+    def _log(self, window: DeviceSums, since: float, grad_norm: torch.Tensor | float | None, bar) -> None:
         acc = self.accelerator
         totals = window.read(acc, sorted(window.keys), {"grad_norm": grad_norm})
+        # timed after the read, which waits for the device: the steps queued without a sync have all run by now
+        seconds = time.perf_counter() - since
         s = summarize(totals, self.settings.steps)
         metrics = {
             "train/loss": totals["loss_total"] / max(totals["micro"], 1),

@@ -175,6 +175,30 @@ def test_anchors_are_supervised_positions_redrawn_per_epoch_and_reproducible(tes
     assert all(len(set(r[v].tolist())) == 14 for r, v in zip(few, valid))
 
 
+def test_anchors_are_a_uniform_draw_without_replacement_of_a_fixed_width(test_device):
+    """Every subset of `count` candidates is as likely (each candidate 3/10, each pair 3/10 * 2/9), none twice; the
+    width A = min(count, T-1) does not depend on the data, so drawing reads nothing back from the device."""
+    T, n = 16, 4000
+    loss_mask = torch.zeros(n, T, dtype=torch.uint8)
+    loss_mask[:, 4:14] = 1  # candidates: p = 3..12 (p+1 supervised)
+    att = torch.ones(n, T, dtype=torch.bool)
+    ids = [f"s{i}" for i in range(n)]
+    anchors, valid = sample_anchors(loss_mask.to(test_device), att.to(test_device), ids, 3, seed=0, epoch=0)
+    anchors, valid = anchors.cpu(), valid.cpu()
+    assert anchors.shape == (n, 3) and valid.all()
+    assert ((anchors >= 3) & (anchors <= 12)).all() and (anchors.diff(dim=1) > 0).all()  # sorted, distinct
+    once = torch.zeros(T).index_add_(0, anchors.flatten(), torch.ones(3 * n)) / n
+    assert (once[3:13] - 0.3).abs().max() < 0.04, once  # 5 sigma
+    pairs = torch.zeros(T, T)
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        pairs.index_put_((anchors[:, a], anchors[:, b]), torch.ones(n), accumulate=True)
+    in_pairs = pairs[3:13, 3:13][torch.triu(torch.ones(10, 10, dtype=torch.bool), 1)] / n
+    assert (in_pairs - 1 / 15).abs().max() < 0.022, in_pairs  # 5 sigma
+    wide, wide_valid = sample_anchors(loss_mask[:2], att[:2], ids[:2], 100, seed=0, epoch=0)
+    assert wide.shape == (2, T - 1) and wide_valid.sum(1).tolist() == [10, 10]  # padding after the 10 candidates
+    assert (wide[~wide_valid] == 0).all() and not wide_valid[:, 10:].any()
+
+
 def test_objective_trains_and_reports_per_slot_statistics(test_device):
     model = _drafter(dtype=torch.float32, device=test_device).train()
     head = torch.randn(V, H).to(test_device)

@@ -50,3 +50,26 @@ def test_the_teacher_is_fp32_inside_a_bf16_autocast_region(test_device):
     torch.testing.assert_close(teacher.probs, reference.probs.float(), rtol=0, atol=1e-5)
     torch.testing.assert_close(teacher.exact, reference.exact.float(), rtol=0, atol=1e-5)
     assert torch.equal(teacher.argmax, reference.argmax)
+
+
+def test_the_teacher_ahead_is_a_view_and_gives_the_shifted_teachers_values(test_device):
+    """EAGLE-3's TTT step i takes the teacher 1+i positions ahead: `ahead` slices the teacher computed once per
+    micro-batch (no [B, T, D] copy per step, issue 20) and gives, on every slot that has a teacher, exactly what the
+    zero-padded `shifted` copy gave (the slots past the end have loss mask 0)."""
+    from draftsmith.drafters.losses import pad_end
+
+    head, final, draft_ids, logits = _case(test_device, 2)
+    T = final.shape[1]
+    for temperature in (0.0, 0.7):
+        teacher = teacher_from_final(final, head, draft_ids, temperature)
+        for n in (1, 3):
+            ahead, copied = teacher.ahead(n), teacher.shifted(n)
+            assert ahead.probs.data_ptr() == teacher.probs[:, n:].data_ptr()  # a view
+            live = logits[:, : T - n]
+            for kind in ("ce", "tv", "accept"):
+                got = pad_end(position_losses(live, ahead, kind, temperature), T)
+                want = position_losses(logits, copied, kind, temperature)
+                assert torch.equal(got[:, : T - n], want[:, : T - n]), (temperature, n, kind)
+                assert got.shape == want.shape and (got[:, T - n :] == 0).all()
+            got = pad_end(acceptance(live, ahead, draft_ids, temperature), T)
+            assert torch.equal(got[:, : T - n], acceptance(logits, copied, draft_ids, temperature)[:, : T - n])

@@ -281,3 +281,49 @@ def test_bad_inputs_are_clear_errors(workspace, tmp_path):
     train_stage.run_train(_cfg(workspace, tmp_path / "done", "train.max_steps=1"))
     with pytest.raises(StageError, match="already holds a finished training run"):
         train_stage.run_train(_cfg(workspace, tmp_path / "done", "train.max_steps=1"))
+
+
+def test_the_trainer_sees_the_planned_batches_in_order_loaded_ahead(workspace, tmp_path, monkeypatch):
+    """Batches loaded a batch ahead on a thread (issue 20) are the planned ones in the planned order, content
+    included, over two epochs and across a resume in the middle of the first."""
+    import dataclasses
+
+    from draftsmith.pipeline.families import get_family
+
+    seen: list[tuple[int, list[str], float]] = []
+
+    def recording(name):
+        family = get_family(name)
+
+        def objective(model, batch, *args):
+            if model.training:  # not the holdout evaluation
+                seen.append((batch["epoch"], list(batch["ids"]), float(batch["aux"].double().sum())))
+            return family.objective(model, batch, *args)
+
+        return dataclasses.replace(family, objective=objective)
+
+    monkeypatch.setattr(train_stage, "get_family", recording)
+    cfg = _cfg(workspace, tmp_path, "train.epochs=2", "train.save_every=5", "train.eval_every=1000")
+    real_save = train_stage.Trainer.save_checkpoint
+
+    def save_then_die(self):
+        path = real_save(self)
+        if self.step == 5:
+            raise KeyboardInterrupt("killed after the step-5 checkpoint")
+        return path
+
+    monkeypatch.setattr(train_stage.Trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_stage.run_train(cfg)
+    assert len(seen) == 5
+    monkeypatch.setattr(train_stage.Trainer, "save_checkpoint", real_save)
+    train_stage.run_train(cfg, resume=True)
+
+    trainer = train_stage.Trainer(cfg)
+    source = trainer.source
+    planned = [(e, b) for e in range(2) for b in train_stage.plan_epoch(source, cfg, e, 0, 1)]
+    assert 5 < len(planned) // 2  # the cut is inside the first epoch
+    expected = [
+        (e, [source.meta[i]["id"] for i in b], float(source.load_batch(b)["aux"].double().sum())) for e, b in planned
+    ]
+    assert seen == expected
