@@ -181,17 +181,20 @@ def _reference(v: Variant, model, target, work: Path) -> None:
 
 
 BF16 = ["e3-llama-1l-aux3-small", "e3-qwen3-2l-aux3-full"]  # also exported in bfloat16, for speculators
+BF16_DSPARK = [v.name for v in DSPARK]  # every DSpark variant too (speculators' DSpark forward in bfloat16)
 
 
 def build_all(root: Path) -> dict[str, dict]:
-    """Both targets and every variant under `root` (and the BF16 ones again as `<name>@bf16`, EAGLE-3 only); returns
-    the manifest the probes read (also root/variants.json)."""
+    """Both targets and every variant under `root` (and the BF16 and BF16_DSPARK ones again as `<name>@bf16`);
+    returns the manifest the probes read (also root/variants.json). `drafter` is the draftsmith checkpoint each
+    export was made from."""
     targets = {
         "llama": save_tiny_target(root / "target-llama", seed=0, num_layers=NUM_TARGET_LAYERS, hidden_size=HIDDEN),
         "qwen3": save_tiny_qwen3_target(root / "target-qwen3"),
     }
     manifest = {}
-    runs = [(v, v.name, "float32") for v in VARIANTS.values()] + [(VARIANTS[n], n + "@bf16", "bfloat16") for n in BF16]
+    runs = [(v, v.name, "float32") for v in VARIANTS.values()]
+    runs += [(VARIANTS[n], n + "@bf16", "bfloat16") for n in BF16 + BF16_DSPARK]
     for v, key, dtype in runs:
         work = root / key
         out = export_variant(v, targets[v.target], work, dtype)
@@ -202,6 +205,7 @@ def build_all(root: Path) -> dict[str, dict]:
             "sglang": v.sglang,
             "target_dir": str(targets[v.target]),
             "export": str(out),
+            "drafter": str(work / "drafter"),
             "reference": str(work / "reference.pt") if v.family == "eagle3" else None,
         }
     (root / "variants.json").write_text(json.dumps(manifest, indent=1))
