@@ -333,38 +333,81 @@ def state_bytes(p: ParamCount, lay: Layout) -> dict[str, float]:
 
 
 def eagle3_activation_bytes(
-    d: DrafterShape, steps: int, batch_tokens: int, seq: int, feature_bytes: int, act: int, checkpointing: bool
+    d: DrafterShape,
+    steps: int,
+    batch_tokens: int,
+    feature_bytes: int,
+    act: int,
+    checkpointing: bool,
+    exact_teacher: bool = True,
+    attention: str = "flex",
 ) -> float:
-    """One micro-batch of the TTT unroll (drafters/eagle3.py), as kept for backward. T = batch_tokens, S = the
-    longest sequence, a = activation bytes (2 in bf16):
+    """One micro-batch of the TTT unroll (drafters/eagle3.py), as kept for backward. T = batch_tokens, a =
+    activation bytes (2 in bf16). Every term is linear in T: no score matrix is kept (drafters/ttt_attention.py).
 
-    - inputs: the features (n_aux + 1 states per token), fc's output, the teacher's draft-vocab probabilities;
+    - inputs: the features (n_aux + 1 states per token), fc's output, the teacher's draft-vocab probabilities
+      (T x D x 4) and, at temperature > 0 (`exact_teacher`), its full-vocabulary probabilities on the draft
+      columns as well (T x D x 4, for the acceptance targets);
     - per step and layer: the Llama-layer activations, T x a x (6H [first layer: 2H-wide input] or 4H
-      + (4 heads + 2 kv_heads) x head_dim [q, k, v, GQA-repeated k/v, attention output] + 3 x MLP width);
-    - steps i >= 1 build explicit scores against step 0's keys: heads x S x T x 8 B (bf16 scores, fp32 and bf16
-      probabilities) per layer, plus the stacked keys/values of steps 1..i (i x 2 x heads x head_dim x T x a);
-    - per step the draft-vocab logits with their fp32 log-softmax and softmax (T x D x (a + 8)) and the
-      confidence MLP's input and hidden (T x (2H + 256) x a).
+      + attention + 3 x MLP width); attention: step 0 (causal SDPA over GQA-repeated k/v) keeps q, the repeated
+      k/v and the output ((4 heads + 2 kv_heads) x head_dim with k, v); steps >= 1 keep q, the output, k and v
+      ((2 heads + 2 kv_heads) x head_dim) and an fp32 log-sum-exp per row and head (T x heads x 4);
+    - `attention="flex"` (CUDA): step i >= 1 attends over the keys/values of steps 0..i laid end to end, kept for
+      backward: (1 + i) x 2 x kv_heads x head_dim x T x a per layer. `"chunked"` (CPU) keeps nothing more (it
+      reads the steps' own k/v); its working set, a query chunk's scores, is bounded (CHUNK_ELEMENTS) and left out;
+    - per step the draft-vocab logits with their fp32 log-softmax and the teacher's shifted probabilities
+      (T x D x (a + 8)) and the confidence MLP's input and hidden (T x (2H + 256) x a).
 
     With gradient checkpointing only each step's layer inputs (2H) and the k/v the later steps attend to stay,
     and one step (the last, the largest) is rebuilt at a time."""
+    if attention not in ("flex", "chunked"):
+        raise ValueError(f"attention must be flex or chunked, got {attention!r}")
     T, H, hd, D, nl = batch_tokens, d.hidden, d.head_dim, d.draft_vocab, d.layers
-    attn = (4 * d.heads + 2 * d.kv_heads) * hd
-    first = T * act * (6 * H + attn + 3 * d.intermediate)
-    other = T * act * (4 * H + attn + 3 * d.intermediate)
-    step_layers = first + (nl - 1) * other
-    scores = nl * d.heads * seq * T * 8
 
-    def diag(i: int) -> float:  # TTT step i's per-slot keys/values of the earlier steps
-        return nl * i * 2 * d.heads * hd * T * act
+    def layers(i: int) -> float:  # TTT step i's layer activations
+        attn = (4 * d.heads + 2 * d.kv_heads) * hd * act if i == 0 else (2 * d.heads + 2 * d.kv_heads) * hd * act
+        if i > 0:
+            attn += d.heads * 4  # the rows' log-sum-exp
+            if attention == "flex":
+                attn += (1 + i) * 2 * d.kv_heads * hd * act  # the keys/values of steps 0..i, concatenated
+        first = T * (act * (6 * H + 3 * d.intermediate) + attn)
+        other = T * (act * (4 * H + 3 * d.intermediate) + attn)
+        return first + (nl - 1) * other
 
     if checkpointing:
-        kept = steps * nl * T * act * (2 * H + 2 * d.kv_heads * hd) + step_layers + scores + diag(steps - 1)
+        kept = steps * nl * T * act * (2 * H + 2 * d.kv_heads * hd) + layers(steps - 1)
     else:
-        kept = steps * step_layers + (steps - 1) * scores + sum(diag(i) for i in range(1, steps))
+        kept = sum(layers(i) for i in range(steps))
     heads = steps * (T * D * (act + 8) + T * (2 * H + CONFIDENCE_HIDDEN) * act)
-    inputs = T * (d.n_aux + 1) * H * feature_bytes + T * H * act + T * D * 4
+    teacher = T * D * 4 * (2 if exact_teacher else 1)
+    inputs = T * (d.n_aux + 1) * H * feature_bytes + T * H * act + teacher
     return float(inputs + kept + heads)
+
+
+def teacher_logits_bytes(batch_tokens: int, vocab: int) -> float:
+    """The teacher's full-vocabulary logits of one chunk (drafters/losses.py): fp32, and one fp32 temporary."""
+    return float(min(TEACHER_CHUNK, batch_tokens) * vocab * 8)
+
+
+def eagle3_step_peak_bytes(
+    d: DrafterShape,
+    steps: int,
+    batch_tokens: int,
+    act: int,
+    lay: Layout | None = None,
+    exact_teacher: bool = True,
+    checkpointing: bool = False,
+    attention: str = "flex",
+) -> float:
+    """What one EAGLE-3 training step adds to the memory held before it (weights, teacher head, the batch's
+    features): the gradients and AdamW state (`lay`, default one fp32 DDP process) and the larger of the
+    teacher's logits of one chunk and the unroll's activations, which are never alive together (the teacher is
+    computed, and its logits freed, before the unroll). launch/bench_ttt_memory.py measures the same quantity."""
+    lay = lay or Layout(world=1, zero_stage=0, bf16=act == 2)
+    state = state_bytes(eagle3_params(d), lay)
+    activations = eagle3_activation_bytes(d, steps, batch_tokens, 0, act, checkpointing, exact_teacher, attention)
+    peak = max(activations, teacher_logits_bytes(batch_tokens, d.vocab))
+    return state["gradients"] + state["optimizer (master + moments)"] + peak
 
 
 def dspark_slots(d: DrafterShape, batch_tokens: int, seq: int) -> tuple[int, int, int]:
@@ -414,10 +457,11 @@ def target_bytes(t: TargetShape, lay: Layout, batch_tokens: int, n_aux: int) -> 
 
 def eagle3_flops(d: DrafterShape, p: ParamCount, t: TargetShape, steps: int, seq: float) -> dict[str, float]:
     """Per training token (seq = mean record length): 6 x trainable parameters per TTT step (forward +
-    backward); attention per layer: step 0 is causal SDPA (4 x heads x head_dim x seq/2 forward, x3 with
-    backward = 6 x heads x head_dim x seq) and steps >= 1 compute the full score matrix before masking (twice
-    that); the frozen teacher head over the full vocabulary, forward only (2 x V x H)."""
-    attention = d.layers * d.heads * d.head_dim * seq * (6 + 12 * (steps - 1))
+    backward); attention per layer and step: causal over step 0's keys (4 x heads x head_dim x seq/2 forward,
+    x3 with backward = 6 x heads x head_dim x seq), at step 0 by SDPA and at steps >= 1 by flex_attention's
+    block mask or the chunked path, which skip the masked keys (drafters/ttt_attention.py; the diagonal keys,
+    i per token, are negligible); the frozen teacher head over the full vocabulary, forward only (2 x V x H)."""
+    attention = d.layers * d.heads * d.head_dim * seq * 6 * steps
     return {
         "drafter": 6.0 * p.trainable * steps,
         "drafter attention": float(attention),
@@ -449,6 +493,46 @@ def dspark_flops(d: DrafterShape, p: ParamCount, t: TargetShape, seq: float) -> 
 def online_flops(t: TargetShape, seq: float) -> dict[str, float]:
     """The target's forward per token when features are online (no lm_head: features only)."""
     return {"target forward": 2.0 * t.body_params + 2.0 * t.layers * t.heads * t.head_dim * seq}
+
+
+# ------------------------------------------------------------------------------------- per-step totals
+
+LONG_SEQUENCES = (4096, 8192, 16384)
+"""Sequence lengths the plan also gives EAGLE-3's memory for (one sequence per micro-batch)."""
+TEACHER_LOGITS = "teacher logits (one chunk)"
+EAGLE3_ACTIVATIONS = "activations (TTT unroll)"
+
+
+def element_bytes(cfg: RunConfig, lay: Layout) -> tuple[int, int]:
+    """(bytes of a stored feature element in training memory, bytes of an activation element): online features
+    are not stored; activations are bf16 under mixed precision."""
+    feature_bytes = 0 if lay.online else (2 if cfg.collect.dtype == "bfloat16" else 4)
+    return feature_bytes, 2 if lay.bf16 else 4
+
+
+def eagle3_memory(cfg: RunConfig, d: DrafterShape, t: TargetShape, lay: Layout, batch_tokens: int) -> dict[str, float]:
+    """Per-rank bytes of EAGLE-3 training with micro-batches of `batch_tokens`, item by item."""
+    train = cfg.train
+    s: Any = train.section("eagle3")
+    n_aux_store = len(cfg.collect.aux_layer_ids) if cfg.collect.aux_layer_ids is not None else 3
+    feature_bytes, act = element_bytes(cfg, lay)
+    memory = state_bytes(drafter_params(d), lay)
+    memory[EAGLE3_ACTIVATIONS] = eagle3_activation_bytes(
+        d, s.ttt_steps, batch_tokens, feature_bytes, act, train.gradient_checkpointing, train.temperature > 0
+    )
+    memory["teacher lm_head (fp32)"] = 4.0 * t.vocab * t.hidden  # fp32: the teacher's logits are never rounded
+    memory[TEACHER_LOGITS] = teacher_logits_bytes(batch_tokens, t.vocab)
+    memory.update(target_bytes(t, lay, batch_tokens, n_aux_store))
+    return memory
+
+
+def peak_total(memory: dict[str, float]) -> float:
+    """The peak of a training step from its items: their sum, except that EAGLE-3's teacher logits (computed, and
+    freed, before the unroll starts) and the unroll's activations count only the larger of the two."""
+    total = sum(memory.values())
+    if TEACHER_LOGITS in memory and EAGLE3_ACTIVATIONS in memory:
+        total -= min(memory[TEACHER_LOGITS], memory[EAGLE3_ACTIVATIONS])
+    return total
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -537,8 +621,7 @@ def make_plan(
     bpt = bytes_per_token(n_aux_store, t.hidden, cfg.collect.dtype)
     total, source, mean_len = estimate_tokens(cfg, tokens, records, prompt_tokens)
     seq = min(cfg.data.max_length, train.batch_tokens)
-    feature_bytes = 0 if lay.online else (2 if cfg.collect.dtype == "bfloat16" else 4)
-    act = 2 if lay.bf16 else 4
+    feature_bytes, act = element_bytes(cfg, lay)
     plan = Plan(
         target=asdict(t),
         tokens=total,
@@ -551,23 +634,21 @@ def make_plan(
     )
     for d in drafter_shapes(cfg, t):
         p = drafter_params(d)
-        memory = state_bytes(p, lay)
         s: Any = train.section(d.family)
+        long_sequences: dict[str, float] = {}
         if d.family == "eagle3":
-            memory["activations (TTT unroll)"] = eagle3_activation_bytes(
-                d, s.ttt_steps, train.batch_tokens, seq, feature_bytes, act, train.gradient_checkpointing
-            )
-            memory["teacher lm_head (fp32)"] = 4.0 * t.vocab * t.hidden  # fp32: the teacher's logits are never rounded
-            # fp32 logits and one fp32 temporary (logits / T for the normalizer)
-            memory["teacher logits (one chunk)"] = float(min(TEACHER_CHUNK, train.batch_tokens) * t.vocab * 8)
+            memory = eagle3_memory(cfg, d, t, lay, train.batch_tokens)
+            # one sequence of L tokens per micro-batch: what long-context training needs
+            long_sequences = {str(n): peak_total(eagle3_memory(cfg, d, t, lay, n)) for n in LONG_SEQUENCES}
             flops = eagle3_flops(d, p, t, s.ttt_steps, mean_len)
         else:
+            memory = state_bytes(p, lay)
             memory["activations (anchor blocks)"] = dspark_activation_bytes(
                 d, train.batch_tokens, seq, feature_bytes, act
             )
             memory["teacher lm_head (fp32)"] = 4.0 * t.vocab * t.hidden
+            memory.update(target_bytes(t, lay, train.batch_tokens, n_aux_store))
             flops = dspark_flops(d, p, t, mean_len)
-        memory.update(target_bytes(t, lay, train.batch_tokens, n_aux_store))
         if lay.online:
             flops.update(online_flops(t, mean_len))
         per_token = sum(flops.values())
@@ -581,7 +662,8 @@ def make_plan(
                 "shape": asdict(d),
                 "params": {**asdict(p), "total": p.total},
                 "memory_bytes": memory,
-                "memory_total_bytes": sum(memory.values()),
+                "memory_total_bytes": peak_total(memory),
+                "long_sequence_memory_bytes": long_sequences,
                 "flops_per_token": flops,
                 "flops_per_token_total": per_token,
                 "gpu_hours": gpu_hours,
@@ -604,6 +686,11 @@ def _si(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.2f} {unit}"
     return f"{x:.0f} "
+
+
+def _verdict(total: float, gpu_memory_gib: float) -> str:
+    fits = "fits" if total <= gpu_memory_gib * GIB * 0.9 else "does NOT fit"
+    return f"{fits} in {gpu_memory_gib:g} GiB with 10% headroom"
 
 
 def render(plan: Plan, gpu_memory_gib: float) -> str:
@@ -655,8 +742,13 @@ def render(plan: Plan, gpu_memory_gib: float) -> str:
         for name, value in d["memory_bytes"].items():
             lines.append(f"    {name:32s} {_gib(value)}")
         total = d["memory_total_bytes"]
-        verdict = "fits" if total <= gpu_memory_gib * GIB * 0.9 else "does NOT fit"
-        lines.append(f"    {'total':32s} {_gib(total)}   ({verdict} in {gpu_memory_gib:g} GiB with 10% headroom)")
+        lines.append(f"    {'total':32s} {_gib(total)}   ({_verdict(total, gpu_memory_gib)})")
+        if TEACHER_LOGITS in d["memory_bytes"]:
+            lines.append("    (the teacher's logits are freed before the unroll starts: the total counts the larger)")
+        if d["long_sequence_memory_bytes"]:
+            lines.append("  GPU memory per rank, one sequence of L tokens per micro-batch (activations linear in L):")
+            for n, value in d["long_sequence_memory_bytes"].items():
+                lines.append(f"    {'L = ' + f'{int(n):,}':32s} {_gib(value)}   ({_verdict(value, gpu_memory_gib)})")
         lines.append("  FLOPs per training token:")
         for name, value in d["flops_per_token"].items():
             lines.append(f"    {name:32s} {_si(value)}FLOP")

@@ -62,26 +62,68 @@ def test_a_memory(plan_a):
     # fp32 DDP: weights 4 B, gradients 4 B, two Adam moments 8 B per trainable parameter; frozen 4 B
     assert m["drafter weights"] == 429_060 and m["gradients"] == 429_060
     assert m["optimizer (master + moments)"] == 858_120 and m["frozen drafter weights"] == 98_304
-    # TTT unroll, T = S = 160 tokens, a = 4 B, k = 3 steps, 1 layer:
-    #   per step: 160*4*(6*64 + (4*4 + 2*2)*16 + 3*128) = 640*1088 = 696,320
-    #   scores of steps 1, 2: 4 heads*160*160*8 = 819,200 each
-    #   stacked diagonal k/v: step i holds i*2*4*16*160*4 = i*81,920 -> 81,920 + 163,840
+    # TTT unroll, T = 160 tokens, a = 4 B, k = 3 steps, 1 layer, temperature 1 (exact teacher kept), flex:
+    #   step 0: 160*(4*(6*64 + 3*128) + (4*4 + 2*2)*16*4) = 160*(3072 + 1280) = 696,320
+    #   steps >= 1 keep q, output, k, v: (2*4 + 2*2)*16*4 = 768, the rows' lse 4*4 = 16, and the concatenated
+    #   k/v of steps 0..i: (1+i)*2*2*16*4 = 512 (i=1), 768 (i=2):
+    #   step 1: 160*(3072 + 784 + 512) = 698,880; step 2: 160*(3072 + 784 + 768) = 739,840
     #   heads per step: 160*256*(4+8) + 160*(128+256)*4 = 491,520 + 245,760 = 737,280
-    #   inputs: 160*4*64*4 (features) + 160*64*4 (fc) + 160*256*4 (teacher) = 368,640
-    # 368,640 + 3*696,320 + 2*819,200 + 245,760 + 3*737,280 = 6,553,600
-    assert m["activations (TTT unroll)"] == 6_553_600
+    #   inputs: 160*4*64*4 (features) + 160*64*4 (fc) + 2*160*256*4 (teacher probs + exact) = 532,480
+    # 532,480 + 696,320 + 698,880 + 739,840 + 3*737,280 = 4,879,360 (nothing quadratic in T)
+    assert m["activations (TTT unroll)"] == 4_879_360
     assert m["teacher lm_head (fp32)"] == 4 * 384 * 64 == 98_304
     assert m["teacher logits (one chunk)"] == 160 * 384 * 8 == 491_520
-    assert plan_a.drafters[0]["memory_total_bytes"] == 8_957_968
+    # the teacher's logits are freed before the unroll: the total counts the larger (the activations)
+    # 429,060*2 + 858,120 + 98,304 + 4,879,360 + 98,304 = 6,792,208
+    assert plan_a.drafters[0]["memory_total_bytes"] == 6_792_208
+
+
+def test_a_long_sequences(plan_a):
+    """The same drafter with one sequence of L tokens per micro-batch: per token, the layers of steps 0..2
+    4352 + 4368 + 4624, the heads 3*(256*12 + 384*4) = 13,824, the inputs 1024 + 256 + 2048 = 3328 -> 30,496 B;
+    plus the weights, gradients, moments, frozen embedding and teacher head (1,912,848 B); the teacher's logits
+    (2048*384*8 = 6,291,456) are smaller than the activations."""
+    long = plan_a.drafters[0]["long_sequence_memory_bytes"]
+    # 30,496*4096 + 1,912,848 = 126,824,464; 30,496*8192 + ... = 251,736,080; 30,496*16384 + ... = 501,559,312
+    assert long == {"4096": 126_824_464, "8192": 251_736_080, "16384": 501_559_312}
+
+
+def test_eagle3_activations_are_linear_in_sequence_length():
+    """Issue 20: with the TTT attention of drafters/ttt_attention.py nothing is quadratic in T, on either path;
+    the chunked path (CPU) keeps no concatenated keys/values, flex (CUDA) keeps those of steps 0..i."""
+    from draftsmith.pipeline.plan import eagle3_activation_bytes
+
+    d = DrafterShape("eagle3", 64, 2, 4, 2, 16, 128, 3, 256, 384)
+    for attention in ("flex", "chunked"):
+        for ckpt in (False, True):
+            one = eagle3_activation_bytes(d, 7, 1000, 2, 2, ckpt, attention=attention)
+            assert eagle3_activation_bytes(d, 7, 8000, 2, 2, ckpt, attention=attention) == 8 * one
+    flex = eagle3_activation_bytes(d, 3, 160, 4, 4, False, attention="flex")
+    chunked = eagle3_activation_bytes(d, 3, 160, 4, 4, False, attention="chunked")
+    assert flex - chunked == 2 * 160 * (512 + 768)  # 2 layers x the concatenated k/v of steps 1 and 2 (test A)
+
+
+def test_eagle3_step_peak_is_state_and_the_larger_of_teacher_and_activations():
+    from draftsmith.pipeline.plan import eagle3_activation_bytes, eagle3_step_peak_bytes
+
+    d = DrafterShape("eagle3", 64, 1, 4, 2, 16, 128, 3, 256, 384)
+    # fp32, one process: gradients 4 B + moments 8 B per trainable parameter (107,265, test A)
+    act = eagle3_activation_bytes(d, 3, 160, 0, 4, False, attention="chunked")
+    assert eagle3_step_peak_bytes(d, 3, 160, 4, attention="chunked") == 12 * 107_265 + act
+    # one token of a 100k vocabulary: the teacher's logits (100,000*8 B) outweigh the unroll (11,264 B)
+    big_vocab = DrafterShape("eagle3", 64, 1, 4, 2, 16, 128, 3, 256, 100_000)
+    assert eagle3_activation_bytes(big_vocab, 1, 1, 0, 4, False) == 11_264
+    assert eagle3_step_peak_bytes(big_vocab, 1, 1, 4) == 12 * 107_265 + 800_000
 
 
 def test_a_flops(plan_a):
     f = plan_a.drafters[0]["flops_per_token"]
     # mean record = min(2048, 256 prompt + 512 new tokens) = 768
     assert f["drafter"] == 6 * 107265 * 3 == 1_930_770
-    assert f["drafter attention"] == 4 * 16 * 768 * (6 + 12 * 2) == 1_474_560
+    # causal attention over step 0's keys at every step (flex's block mask / the chunked path skip masked keys)
+    assert f["drafter attention"] == 4 * 16 * 768 * 6 * 3 == 884_736
     assert f["teacher head"] == 2 * 384 * 64 == 49_152
-    assert plan_a.drafters[0]["flops_per_token_total"] == 3_454_482
+    assert plan_a.drafters[0]["flops_per_token_total"] == 2_864_658
 
 
 def test_eagle3_formula_counts_the_real_module(tiny_target_dir):
@@ -190,24 +232,35 @@ def test_b_eagle3(plan_b):
     assert m["gradients"] == pytest.approx(6_440_064.25) and m["optimizer (master + moments)"] == pytest.approx(
         38_640_385.5
     )
-    # checkpointed unroll, T=4096, S=2048, a=2, k=7 (online: no stored features):
-    #   inputs 4096*1024*2 + 4096*8000*4 = 139,460,608
+    # checkpointed unroll, T=4096, a=2, k=7 (online: no stored features), temperature 1, flex:
+    #   inputs 4096*1024*2 + 2*4096*8000*4 = 270,532,608
     #   kept step inputs + k/v: 7*4096*2*(2048 + 512) = 146,800,640
-    #   one rebuilt step: 4096*2*(6144 + 72*64 + 8448) = 157,286,400; its scores 16*2048*4096*8 = 1,073,741,824;
-    #   its stacked diagonal 6*2*16*64*4096*2 = 100,663,296
+    #   one rebuilt step (the last, i=6): 4096*(2*(6144 + 8448) + (2*16 + 2*4)*64*2 + 16*4 + 7*2*4*64*2)
+    #   = 4096*(29,184 + 5120 + 64 + 7168) = 170,131,456
     #   heads 7*(4096*8000*10 + 4096*2304*2) = 2,425,880,576
-    assert m["activations (TTT unroll)"] == 4_043_833_344
+    assert m["activations (TTT unroll)"] == 3_013_345_280
     assert m["teacher logits (one chunk)"] == 2048 * 32000 * 8 == 524_288_000
     assert m["target weights (bf16)"] == 245_924_864 * 2 / 8 == 61_481_216
     # one forward's working set: 4096 * ((4+1)*1024 + 4*1024 + 2*2816) * 2 = 121,634,816
     assert m["target forward"] == 121_634_816
-    assert d["memory_total_bytes"] == pytest.approx(5_044_446_339.75)  # fp32 teacher head and logits
+    # weights, gradients, optimizer, activations, fp32 teacher head, target; the teacher's logits (smaller than the
+    # activations) are not counted
+    assert d["memory_total_bytes"] == pytest.approx(
+        51_520_514
+        + 65_536_000
+        + 6_440_064.25
+        + 38_640_385.5
+        + 3_013_345_280
+        + 4 * 32000 * 1024
+        + 61_481_216
+        + 121_634_816
+    )
     f = d["flops_per_token"]
     assert f["drafter"] == 6 * 25_760_257 * 7 == 1_081_930_794
-    assert f["drafter attention"] == 16 * 64 * 768 * (6 + 72) == 61_341_696
+    assert f["drafter attention"] == 16 * 64 * 768 * 6 * 7 == 33_030_144
     # target: 2 * 180,388,864 + 2 * 16 layers * 16 heads * 64 * 768 = 360,777,728 + 25,165,824
     assert f["target forward"] == 385_943_552
-    assert d["flops_per_token_total"] == 1_594_752_042
+    assert d["flops_per_token_total"] == 1_081_930_794 + 33_030_144 + 2 * 32000 * 1024 + 385_943_552
 
 
 def test_b_dspark(plan_b):
