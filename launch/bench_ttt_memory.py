@@ -13,7 +13,8 @@ another's. The step's peak is the process's peak resident set (`ru_maxrss`) minu
 the first step (model, optimizer, batch and teacher head already built). torch's CPU allocator returns freed
 blocks to malloc, and the subprocess fixes glibc's mmap threshold (MALLOC_MMAP_THRESHOLD_) so that every large
 tensor is its own mapping, returned to the OS when freed: the resident set then follows live tensors. One step
-runs (it also creates AdamW's state, which `draftsmith plan` counts too), timed.
+runs, timed; AdamW's state, created at its end once the activations are freed, is not part of its peak
+(between steps it is held memory, as the model is).
 
 Beside each measurement it prints what `draftsmith plan` predicts for the same step (pipeline/plan.py,
 `eagle3_step_peak_bytes`), and the error.

@@ -342,21 +342,29 @@ def eagle3_activation_bytes(
     exact_teacher: bool = True,
     attention: str = "flex",
 ) -> float:
-    """One micro-batch of the TTT unroll (drafters/eagle3.py), as kept for backward. T = batch_tokens, a =
-    activation bytes (2 in bf16). Every term is linear in T: no score matrix is kept (drafters/ttt_attention.py).
+    """The peak of one micro-batch's forward: the TTT unroll (drafters/eagle3.py) as kept for backward, and the
+    objective's losses (drafters/objectives.py). T = batch_tokens, a = activation bytes (2 in bf16). Every term
+    is linear in T: no score matrix is kept (drafters/ttt_attention.py). Counted tensor by tensor and checked
+    against measured peaks (launch/bench_ttt_memory.py, hidden 256: within 5% at T = 1k..8k).
 
     - inputs: the features (n_aux + 1 states per token), fc's output, the teacher's draft-vocab probabilities
       (T x D x 4) and, at temperature > 0 (`exact_teacher`), its full-vocabulary probabilities on the draft
       columns as well (T x D x 4, for the acceptance targets);
-    - per step and layer: the Llama-layer activations, T x a x (6H [first layer: 2H-wide input] or 4H
-      + attention + 3 x MLP width); attention: step 0 (causal SDPA over GQA-repeated k/v) keeps q, the repeated
-      k/v and the output ((4 heads + 2 kv_heads) x head_dim with k, v); steps >= 1 keep q, the output, k and v
-      ((2 heads + 2 kv_heads) x head_dim) and an fp32 log-sum-exp per row and head (T x heads x 4);
-    - `attention="flex"` (CUDA): step i >= 1 attends over the keys/values of steps 0..i laid end to end, kept for
-      backward: (1 + i) x 2 x kv_heads x head_dim x T x a per layer. `"chunked"` (CPU) keeps nothing more (it
-      reads the steps' own k/v); its working set, a query chunk's scores, is bounded (CHUNK_ELEMENTS) and left out;
-    - per step the draft-vocab logits with their fp32 log-softmax and the teacher's shifted probabilities
-      (T x D x (a + 8)) and the confidence MLP's input and hidden (T x (2H + 256) x a).
+    - per step and layer, the Llama layer: T x a x (9H [first layer: the embedding, two RMSNorms' intermediates
+      and the 2H-wide input] or 6H, + 4 x MLP width [gate, its SiLU, up, their product]) + attention: step 0
+      (causal SDPA over GQA-repeated k/v) keeps q, the repeated k/v, the output and o_proj's copy of it, and
+      k, v ((5 heads + 2 kv_heads) x head_dim); steps >= 1 keep q, k, v and o_proj's input ((2 heads +
+      2 kv_heads) x head_dim) and an fp32 log-sum-exp per row and head (heads x 4 B);
+    - `attention="flex"` (CUDA): flex_attention also keeps its output (heads x head_dim) and, at step i >= 1, the
+      keys/values of steps 0..i laid end to end ((1 + i) x 2 x kv_heads x head_dim). `"chunked"` (CPU) keeps
+      nothing more (it reads the steps' own k/v); its working set, a query chunk's scores, is bounded
+      (CHUNK_ELEMENTS) and left out;
+    - per step the draft-vocab logits (a) and the losses' fp32 log-softmax (4): T x D x (a + 4); the final norm,
+      the confidence MLP's input and hidden: T x (4H + 2 x 256) x a;
+    - in bf16 (a = 2) every RMSNorm (3 in the first layer, 2 in others, the final one) also keeps the fp32 copy of
+      its input it computes in: T x H x 4 each;
+    - while the last step's losses are computed: three fp32 [T, D] temporaries (the scaled logits, the draft
+      distribution, the overlap with the teacher).
 
     With gradient checkpointing only each step's layer inputs (2H) and the k/v the later steps attend to stay,
     and one step (the last, the largest) is rebuilt at a time."""
@@ -364,24 +372,30 @@ def eagle3_activation_bytes(
         raise ValueError(f"attention must be flex or chunked, got {attention!r}")
     T, H, hd, D, nl = batch_tokens, d.hidden, d.head_dim, d.draft_vocab, d.layers
 
+    def attention_bytes(i: int) -> float:  # per token and layer, TTT step i's attention
+        if i == 0:
+            return (5 * d.heads + 2 * d.kv_heads) * hd * act
+        kept = (2 * d.heads + 2 * d.kv_heads) * hd * act + d.heads * 4  # + the rows' log-sum-exp
+        if attention == "flex":
+            kept += d.heads * hd * act + (1 + i) * 2 * d.kv_heads * hd * act  # its output; k/v of steps 0..i
+        return kept
+
+    norm_copy = 4 if act < 4 else 0  # an RMSNorm's fp32 copy of a bf16 input
+
     def layers(i: int) -> float:  # TTT step i's layer activations
-        attn = (4 * d.heads + 2 * d.kv_heads) * hd * act if i == 0 else (2 * d.heads + 2 * d.kv_heads) * hd * act
-        if i > 0:
-            attn += d.heads * 4  # the rows' log-sum-exp
-            if attention == "flex":
-                attn += (1 + i) * 2 * d.kv_heads * hd * act  # the keys/values of steps 0..i, concatenated
-        first = T * (act * (6 * H + 3 * d.intermediate) + attn)
-        other = T * (act * (4 * H + 3 * d.intermediate) + attn)
+        first = T * (act * (9 * H + 4 * d.intermediate) + 3 * H * norm_copy + attention_bytes(i))
+        other = T * (act * (6 * H + 4 * d.intermediate) + 2 * H * norm_copy + attention_bytes(i))
         return first + (nl - 1) * other
 
     if checkpointing:
         kept = steps * nl * T * act * (2 * H + 2 * d.kv_heads * hd) + layers(steps - 1)
     else:
         kept = sum(layers(i) for i in range(steps))
-    heads = steps * (T * D * (act + 8) + T * (2 * H + CONFIDENCE_HIDDEN) * act)
+    heads = steps * (T * D * (act + 4) + T * ((4 * H + 2 * CONFIDENCE_HIDDEN) * act + H * norm_copy))
+    losses = 3 * T * D * 4
     teacher = T * D * 4 * (2 if exact_teacher else 1)
     inputs = T * (d.n_aux + 1) * H * feature_bytes + T * H * act + teacher
-    return float(inputs + kept + heads)
+    return float(inputs + kept + heads + losses)
 
 
 def teacher_logits_bytes(batch_tokens: int, vocab: int) -> float:
@@ -399,15 +413,15 @@ def eagle3_step_peak_bytes(
     checkpointing: bool = False,
     attention: str = "flex",
 ) -> float:
-    """What one EAGLE-3 training step adds to the memory held before it (weights, teacher head, the batch's
-    features): the gradients and AdamW state (`lay`, default one fp32 DDP process) and the larger of the
-    teacher's logits of one chunk and the unroll's activations, which are never alive together (the teacher is
-    computed, and its logits freed, before the unroll). launch/bench_ttt_memory.py measures the same quantity."""
+    """What one EAGLE-3 training step adds to the memory held between steps (weights, AdamW state, teacher head,
+    the batch's features): the gradients (`lay`, default one fp32 DDP process; counted whole, as if all were
+    alive at the forward's peak) and the larger of the teacher's logits of one chunk and the forward's peak,
+    which are never alive together (the teacher is computed, and its logits freed, before the unroll).
+    launch/bench_ttt_memory.py measures the same quantity."""
     lay = lay or Layout(world=1, zero_stage=0, bf16=act == 2)
-    state = state_bytes(eagle3_params(d), lay)
+    gradients = state_bytes(eagle3_params(d), lay)["gradients"]
     activations = eagle3_activation_bytes(d, steps, batch_tokens, 0, act, checkpointing, exact_teacher, attention)
-    peak = max(activations, teacher_logits_bytes(batch_tokens, d.vocab))
-    return state["gradients"] + state["optimizer (master + moments)"] + peak
+    return gradients + max(activations, teacher_logits_bytes(batch_tokens, d.vocab))
 
 
 def dspark_slots(d: DrafterShape, batch_tokens: int, seq: int) -> tuple[int, int, int]:

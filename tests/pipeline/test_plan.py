@@ -62,30 +62,32 @@ def test_a_memory(plan_a):
     # fp32 DDP: weights 4 B, gradients 4 B, two Adam moments 8 B per trainable parameter; frozen 4 B
     assert m["drafter weights"] == 429_060 and m["gradients"] == 429_060
     assert m["optimizer (master + moments)"] == 858_120 and m["frozen drafter weights"] == 98_304
-    # TTT unroll, T = 160 tokens, a = 4 B, k = 3 steps, 1 layer, temperature 1 (exact teacher kept), flex:
-    #   step 0: 160*(4*(6*64 + 3*128) + (4*4 + 2*2)*16*4) = 160*(3072 + 1280) = 696,320
-    #   steps >= 1 keep q, output, k, v: (2*4 + 2*2)*16*4 = 768, the rows' lse 4*4 = 16, and the concatenated
-    #   k/v of steps 0..i: (1+i)*2*2*16*4 = 512 (i=1), 768 (i=2):
-    #   step 1: 160*(3072 + 784 + 512) = 698,880; step 2: 160*(3072 + 784 + 768) = 739,840
-    #   heads per step: 160*256*(4+8) + 160*(128+256)*4 = 491,520 + 245,760 = 737,280
+    # TTT unroll and losses, T = 160 tokens, a = 4 B, k = 3 steps, 1 layer, temperature 1 (exact teacher kept),
+    # flex; per token:
+    #   layer: 4*(9*64 + 4*128) = 4352; attention: step 0 (5*4 + 2*2)*16*4 = 1536; steps >= 1 keep q, k, v and
+    #   o_proj's input (2*4 + 2*2)*16*4 = 768, the rows' lse 4*4 = 16, flex's output 4*16*4 = 256 and the k/v of
+    #   steps 0..i (1+i)*2*2*16*4 = 512 (i=1), 768 (i=2)
+    #   step 0: 160*5888 = 942,080; step 1: 160*(4352 + 1552) = 944,640; step 2: 160*(4352 + 1808) = 985,600
+    #   heads per step: 160*(256*(4+4) + (4*64 + 512)*4) = 160*5120 = 819,200
+    #   the last step's loss temporaries: 3*160*256*4 = 491,520
     #   inputs: 160*4*64*4 (features) + 160*64*4 (fc) + 2*160*256*4 (teacher probs + exact) = 532,480
-    # 532,480 + 696,320 + 698,880 + 739,840 + 3*737,280 = 4,879,360 (nothing quadratic in T)
-    assert m["activations (TTT unroll)"] == 4_879_360
+    # 532,480 + 942,080 + 944,640 + 985,600 + 3*819,200 + 491,520 = 6,353,920 (nothing quadratic in T)
+    assert m["activations (TTT unroll)"] == 6_353_920
     assert m["teacher lm_head (fp32)"] == 4 * 384 * 64 == 98_304
     assert m["teacher logits (one chunk)"] == 160 * 384 * 8 == 491_520
     # the teacher's logits are freed before the unroll: the total counts the larger (the activations)
-    # 429,060*2 + 858,120 + 98,304 + 4,879,360 + 98,304 = 6,792,208
-    assert plan_a.drafters[0]["memory_total_bytes"] == 6_792_208
+    # 429,060*2 + 858,120 + 98,304 + 6,353,920 + 98,304 = 8,266,768
+    assert plan_a.drafters[0]["memory_total_bytes"] == 8_266_768
 
 
 def test_a_long_sequences(plan_a):
-    """The same drafter with one sequence of L tokens per micro-batch: per token, the layers of steps 0..2
-    4352 + 4368 + 4624, the heads 3*(256*12 + 384*4) = 13,824, the inputs 1024 + 256 + 2048 = 3328 -> 30,496 B;
+    """The same drafter with one sequence of L tokens per micro-batch: per token, the steps' layers 5888 + 5904 +
+    6160, the heads 3*5120, the loss temporaries 3*256*4 = 3072, the inputs 1024 + 256 + 2048 = 3328 -> 39,712 B;
     plus the weights, gradients, moments, frozen embedding and teacher head (1,912,848 B); the teacher's logits
     (2048*384*8 = 6,291,456) are smaller than the activations."""
     long = plan_a.drafters[0]["long_sequence_memory_bytes"]
-    # 30,496*4096 + 1,912,848 = 126,824,464; 30,496*8192 + ... = 251,736,080; 30,496*16384 + ... = 501,559,312
-    assert long == {"4096": 126_824_464, "8192": 251_736_080, "16384": 501_559_312}
+    # 39,712*4096 + 1,912,848 = 164,573,200; 39,712*8192 + ... = 327,233,552; 39,712*16384 + ... = 652,554,256
+    assert long == {"4096": 164_573_200, "8192": 327_233_552, "16384": 652_554_256}
 
 
 def test_eagle3_activations_are_linear_in_sequence_length():
@@ -100,20 +102,22 @@ def test_eagle3_activations_are_linear_in_sequence_length():
             assert eagle3_activation_bytes(d, 7, 8000, 2, 2, ckpt, attention=attention) == 8 * one
     flex = eagle3_activation_bytes(d, 3, 160, 4, 4, False, attention="flex")
     chunked = eagle3_activation_bytes(d, 3, 160, 4, 4, False, attention="chunked")
-    assert flex - chunked == 2 * 160 * (512 + 768)  # 2 layers x the concatenated k/v of steps 1 and 2 (test A)
+    # 2 layers x (flex's output 256 + the concatenated k/v of steps 0..i: 512 at i=1, 768 at i=2), as in test A
+    assert flex - chunked == 2 * 160 * ((256 + 512) + (256 + 768))
 
 
-def test_eagle3_step_peak_is_state_and_the_larger_of_teacher_and_activations():
+def test_eagle3_step_peak_is_gradients_and_the_larger_of_teacher_and_activations():
     from draftsmith.pipeline.plan import eagle3_activation_bytes, eagle3_step_peak_bytes
 
     d = DrafterShape("eagle3", 64, 1, 4, 2, 16, 128, 3, 256, 384)
-    # fp32, one process: gradients 4 B + moments 8 B per trainable parameter (107,265, test A)
+    # fp32, one process: gradients 4 B per trainable parameter (107,265, test A)
     act = eagle3_activation_bytes(d, 3, 160, 0, 4, False, attention="chunked")
-    assert eagle3_step_peak_bytes(d, 3, 160, 4, attention="chunked") == 12 * 107_265 + act
-    # one token of a 100k vocabulary: the teacher's logits (100,000*8 B) outweigh the unroll (11,264 B)
+    assert eagle3_step_peak_bytes(d, 3, 160, 4, attention="chunked") == 4 * 107_265 + act
+    # one token of a 100k vocabulary: the teacher's logits (100,000*8 B) outweigh the unroll (16,384 B: step 0's
+    # layer 5888, heads 5120, loss temporaries 3072, fc 256 and teacher 2048)
     big_vocab = DrafterShape("eagle3", 64, 1, 4, 2, 16, 128, 3, 256, 100_000)
-    assert eagle3_activation_bytes(big_vocab, 1, 1, 0, 4, False) == 11_264
-    assert eagle3_step_peak_bytes(big_vocab, 1, 1, 4) == 12 * 107_265 + 800_000
+    assert eagle3_activation_bytes(big_vocab, 1, 1, 0, 4, False) == 16_384
+    assert eagle3_step_peak_bytes(big_vocab, 1, 1, 4) == 4 * 107_265 + 800_000
 
 
 def test_a_flops(plan_a):
@@ -235,26 +239,19 @@ def test_b_eagle3(plan_b):
     # checkpointed unroll, T=4096, a=2, k=7 (online: no stored features), temperature 1, flex:
     #   inputs 4096*1024*2 + 2*4096*8000*4 = 270,532,608
     #   kept step inputs + k/v: 7*4096*2*(2048 + 512) = 146,800,640
-    #   one rebuilt step (the last, i=6): 4096*(2*(6144 + 8448) + (2*16 + 2*4)*64*2 + 16*4 + 7*2*4*64*2)
-    #   = 4096*(29,184 + 5120 + 64 + 7168) = 170,131,456
-    #   heads 7*(4096*8000*10 + 4096*2304*2) = 2,425,880,576
-    assert m["activations (TTT unroll)"] == 3_013_345_280
+    #   one rebuilt step (the last, i=6), per token: 2*(9*1024 + 4*2816) = 40,960, the norms' fp32 copies
+    #   3*1024*4 = 12,288, attention (2*16 + 2*4)*64*2 + 16*4 + 16*64*2 + 7*2*4*64*2 = 14,400 -> x4096 = 277,086,208
+    #   heads 7*4096*(8000*6 + (4096 + 512)*2 + 1024*4) = 1,757,937,664
+    #   the last step's loss temporaries 3*4096*8000*4 = 393,216,000
+    assert m["activations (TTT unroll)"] == 2_845_573_120
     assert m["teacher logits (one chunk)"] == 2048 * 32000 * 8 == 524_288_000
     assert m["target weights (bf16)"] == 245_924_864 * 2 / 8 == 61_481_216
     # one forward's working set: 4096 * ((4+1)*1024 + 4*1024 + 2*2816) * 2 = 121,634,816
     assert m["target forward"] == 121_634_816
     # weights, gradients, optimizer, activations, fp32 teacher head, target; the teacher's logits (smaller than the
     # activations) are not counted
-    assert d["memory_total_bytes"] == pytest.approx(
-        51_520_514
-        + 65_536_000
-        + 6_440_064.25
-        + 38_640_385.5
-        + 3_013_345_280
-        + 4 * 32000 * 1024
-        + 61_481_216
-        + 121_634_816
-    )
+    assert d["memory_total_bytes"] == pytest.approx(3_321_898_115.75)  # 51,520,514 + 65,536,000 + 6,440,064.25
+    # + 38,640,385.5 + 2,845,573,120 + 4*32000*1024 (fp32 teacher head) + 61,481,216 + 121,634,816
     f = d["flops_per_token"]
     assert f["drafter"] == 6 * 25_760_257 * 7 == 1_081_930_794
     assert f["drafter attention"] == 16 * 64 * 768 * 6 * 7 == 33_030_144
