@@ -14,6 +14,7 @@ import hashlib
 import json
 import statistics
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +85,10 @@ def measure_costs(
             rows = [list(prompts[i % len(prompts)]) for i in range(batch)]
             decode(runner, proposer, rows, greedy, 1, 3)  # untimed: allocations and kernel choice for this shape
             # γ = 0 is plain decoding: a pass one slot wide, nothing drafted
-            runs = {0: lambda r=rows: decode(runner, NoDraft(), r, greedy, 1, rounds + 1)}
+            runs = {0: partial(decode, runner, NoDraft(), rows, greedy, 1, rounds + 1)}
             for gamma in range(1, gamma_max + 1):
                 # at least `rounds` rounds per row even when every draft is accepted
-                n_new = (rounds + 1) * (gamma + 1)
-                runs[gamma] = lambda g=gamma, n=n_new, r=rows: decode(runner, proposer, r, greedy, g, n)
+                runs[gamma] = partial(decode, runner, proposer, rows, greedy, gamma, (rounds + 1) * (gamma + 1))
             timed = _timed(runs, repeats)
             widths = nondecreasing([timed[g][0] for g in sorted(timed)])
             verify[batch] = {g + 1: w for g, w in zip(sorted(timed), widths)}
