@@ -191,9 +191,9 @@ class FeatureStore:
 class BatchLoader:
     """The batches of a plan (lists of sample indices), in order, loaded by `load` one ahead of their use.
 
-    With `background`, a thread loads batch n+1 while the caller computes on batch n (reading shards and padding are
-    torch ops that release the GIL), and on CUDA hands it over already on `device`: copied from pinned memory on a
-    stream of its own, which the caller's stream waits for. Without it, batches are loaded when asked for and left
+    With `background`, a thread loads batch n+1 while the caller computes on batch n (the torch ops a training step
+    spends its time in release the GIL), and on CUDA hands it over already on `device`: copied from pinned memory on
+    a stream of its own, which the caller's stream waits for. Without it, batches are loaded when asked for and left
     where `load` put them (the online source: its target runs in `load`, and a sharded target's collectives must
     stay in step with the training's on every rank).
 
@@ -210,6 +210,7 @@ class BatchLoader:
         self.load, self.plan, self.device = load, list(plan), torch.device(device)
         self.background = background
         self._next = 0  # the next batch of a serial loader
+        self._ended = False
         self._cuda = background and self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._queue: queue.Queue = queue.Queue(maxsize=1)  # one batch ahead of the one in use
@@ -233,8 +234,11 @@ class BatchLoader:
                 raise StopIteration
             self._next += 1
             return self.load(self.plan[self._next - 1])
+        if self._ended:
+            raise StopIteration
         kind, payload = self._take()
         if kind == "end":
+            self._ended = True
             raise StopIteration
         if kind == "error":
             raise payload  # the loader thread's exception, its traceback included
@@ -253,6 +257,8 @@ class BatchLoader:
 
     def _run(self) -> None:
         try:
+            if self._cuda:
+                torch.cuda.set_device(self.device)  # a new thread starts on device 0, whatever the rank's device
             for indices in self.plan:
                 if self._stop.is_set():
                     return
