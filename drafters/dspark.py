@@ -20,6 +20,8 @@ head reads `[h_k ; W1[x_{p+k}]]`, so it sees the previous token but never the to
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -28,8 +30,10 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
+from draftsmith.drafters import ttt_attention
 from draftsmith.drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
 from draftsmith.drafters.eagle3 import KVCache, repeat_kv
+from draftsmith.drafters.ttt_attention import selected_impl
 
 
 @dataclass
@@ -67,6 +71,269 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+# ------------------------------------------------------------------------------ packed training attention
+#
+# Every layer of the packed training forward lets block slot (a, k) attend to (a) the context keys before its
+# anchor (real tokens only) and (b) the G keys of its own block. The dense formulation
+# (`packed_attention_reference`, the original code, kept as the reference) scores every slot against the keys of
+# every block, A*G x A*G, although only the G x G diagonal is allowed, and builds a [B, 1, A*G, T + A*G] mask:
+# quadratic in the number of anchors. Two exact replacements, chosen in one place (`packed_block_attention`) by
+# the same switch as EAGLE-3's TTT attention (drafters/ttt_attention.py: `use_impl`, $DRAFTSMITH_TTT_ATTENTION):
+#
+# - `chunked_packed_attention` (CPU, and wherever flex_attention is missing): a `torch.autograd.Function` that
+#   walks the anchors in chunks; per chunk the context scores [.., c*G, T] (masked on device: no read-back of the anchors) and
+#   the own-block scores [.., c, G, G] share one fp32 softmax. Forward keeps only its inputs and each row's
+#   log-sum-exp, backward recomputes each chunk's probabilities; GQA without repeated K/V. Block-vs-block work
+#   and memory are linear in A; the context part is O(chunk x T) at a time.
+# - `flex_packed_attention` (CUDA): flex_attention over the keys [context; blocks] with a block mask built per
+#   batch from `packed_mask_mod` (fused kernels, no score matrix; the compiled function is cached, the mask is not).
+
+
+@dataclass(eq=False)
+class PackedBlocks:
+    """Which keys the slots of the packed training forward see. anchors [B, A] (any value in 0..T-1 for padding
+    anchors), real [B, T] (True for real tokens), block_size G. Slot q = a*G + k of row b sees context key t
+    when t < anchors[b, a] and real[b, t], and block key a'*G + k' when a' == a. Built once per forward: the
+    masks every layer shares are made on first use and kept here (not across batches: the anchors change)."""
+
+    anchors: torch.Tensor
+    real: torch.Tensor
+    block_size: int
+    _made: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.real = self.real.bool()
+
+    @property
+    def context_length(self) -> int:
+        return self.real.shape[1]
+
+    @property
+    def slots(self) -> int:
+        return self.anchors.shape[1] * self.block_size
+
+    def dense_mask(self) -> torch.Tensor:
+        """The reference's boolean mask [B, 1, A*G, T + A*G] (True: attend)."""
+        if "dense" not in self._made:
+            B, A = self.anchors.shape
+            T, G, device = self.context_length, self.block_size, self.anchors.device
+            ctx = (torch.arange(T, device=device)[None, None, :] < self.anchors[..., None]) & self.real[:, None, :]
+            ctx = ctx.repeat_interleave(G, dim=1)  # [B, A*G, T]
+            blocks = torch.arange(A, device=device).repeat_interleave(G)
+            own = (blocks[:, None] == blocks[None, :]).expand(B, A * G, A * G)
+            self._made["dense"] = torch.cat([ctx, own], dim=-1)[:, None]
+        return self._made["dense"]
+
+    def mask_mod(self) -> Callable[[Any, Any, Any, Any], Any]:
+        return packed_mask_mod(self.anchors, self.real, self.block_size)
+
+    def block_mask(self, compiled: bool = True) -> Any:
+        """flex_attention's block mask of this batch (heads broadcast), built on first use."""
+        if ("block", compiled) not in self._made:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            B, T, Q = self.anchors.shape[0], self.context_length, self.slots
+            self._made["block", compiled] = create_block_mask(
+                self.mask_mod(), B, None, Q, T + Q, device=str(self.anchors.device), _compile=compiled
+            )
+        return self._made["block", compiled]
+
+
+def packed_mask_mod(anchors: torch.Tensor, real: torch.Tensor, block_size: int) -> Callable[[Any, Any, Any, Any], Any]:
+    """flex_attention's mask_mod over the keys [context (T); block slots (A*G)]: slot q sees context key kv < T
+    when kv is before its block's anchor and a real token, and block key kv >= T when both are in one block."""
+    T, G = real.shape[1], block_size
+    row_anchor = anchors.repeat_interleave(G, dim=1)  # [B, A*G]: each slot's anchor
+    # real tokens padded over the block keys, so that indexing with any key index stays in bounds
+    real_keys = torch.cat([real, real.new_zeros(real.shape[0], anchors.shape[1] * G)], dim=1)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        context = (kv_idx < T) & (kv_idx < row_anchor[b, q_idx]) & real_keys[b, kv_idx]
+        own = (kv_idx >= T) & ((kv_idx - T) // G == q_idx // G)
+        return context | own
+
+    return mask_mod
+
+
+def packed_block_attention(
+    q: torch.Tensor,
+    ctx_k: torch.Tensor,
+    ctx_v: torch.Tensor,
+    blk_k: torch.Tensor,
+    blk_v: torch.Tensor,
+    packed: PackedBlocks,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the packed block slots q [B, heads, A*G, d] over the context keys/values ctx_k/ctx_v
+    [B, kv_heads, T, d] and the slots' own keys/values blk_k/blk_v [B, kv_heads, A*G, d], as `packed` says.
+    Returns [B, heads, A*G, d] in q's dtype. The path: `selected_impl` (drafters/ttt_attention.py)."""
+    impl = selected_impl(q)
+    if impl == "flex":
+        return flex_packed_attention(q, ctx_k, ctx_v, blk_k, blk_v, packed, scale)
+    if impl == "reference":
+        return packed_attention_reference(q, ctx_k, ctx_v, blk_k, blk_v, packed, scale)
+    return chunked_packed_attention(q, ctx_k, ctx_v, blk_k, blk_v, packed, scale)
+
+
+def packed_attention_reference(q, ctx_k, ctx_v, blk_k, blk_v, packed: PackedBlocks, scale: float) -> torch.Tensor:
+    """The dense formulation: SDPA over every key [context; all blocks] with the [B, 1, A*G, T + A*G] mask."""
+    groups = q.shape[1] // ctx_k.shape[1]
+    keys = repeat_kv(torch.cat([ctx_k, blk_k], dim=2), groups)
+    values = repeat_kv(torch.cat([ctx_v, blk_v], dim=2), groups)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=packed.dense_mask(), scale=scale)
+
+
+def default_anchor_chunk(batch: int, heads: int, block: int, length: int, anchors: int) -> int:
+    """Anchors per chunk of the chunked path: as many as keep one chunk's context scores (B x heads x chunk x G
+    x T) at ttt_attention.CHUNK_ELEMENTS (at least 1, at most A)."""
+    per_anchor = max(1, batch * heads * block * length)
+    return max(1, min(anchors, ttt_attention.CHUNK_ELEMENTS // per_anchor))
+
+
+def _packed_scores(
+    qc: torch.Tensor,
+    ctx_k: torch.Tensor,
+    kb: torch.Tensor,
+    seen: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of one chunk of c anchors, all tensors in the accumulation dtype: qc [B, kv, g, c, G, d] against
+    the context keys ctx_k [B, kv, T, d] where `seen` [B, c, T] allows (else -inf), [B, kv, g, c, G, T]; and
+    against its own blocks' keys kb [B, kv, c, G, d], [B, kv, g, c, G, G]."""
+    B, kv, g, c, G, d = qc.shape
+    T = ctx_k.shape[2]
+    context = torch.matmul(qc.reshape(B, kv, g * c * G, d), ctx_k.transpose(-1, -2)).view(B, kv, g, c, G, T)
+    context = (context * scale).masked_fill(~seen[:, None, None, :, None, :], -math.inf)
+    own = torch.einsum("bkgcid,bkcjd->bkgcij", qc, kb) * scale  # a row always sees its own block: never all -inf
+    return context, own
+
+
+class ChunkedPackedAttention(torch.autograd.Function):
+    """Exact packed block attention, anchors in chunks, fp32 (or wider) throughout; backward recomputes each
+    chunk's probabilities from the saved log-sum-exp (drafters/ttt_attention.py's ChunkedTTTAttention, with
+    the own-block keys in place of the TTT diagonal)."""
+
+    @staticmethod
+    def forward(ctx: Any, q, ctx_k, ctx_v, blk_k, blk_v, anchors, real, scale: float, block: int, chunk: int):
+        B, heads, Q, d = q.shape
+        kv, G, T = ctx_k.shape[1], block, ctx_k.shape[2]
+        g, A = heads // kv, Q // G
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.empty(B, kv, g, Q, d, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, kv, g, Q, dtype=acc, device=q.device)
+        with torch.autocast(q.device.type, enabled=False):
+            qa = q.to(acc).view(B, kv, g, A, G, d)
+            cka, cva = ctx_k.to(acc), ctx_v.to(acc)
+            bka, bva = blk_k.to(acc).view(B, kv, A, G, d), blk_v.to(acc).view(B, kv, A, G, d)
+            for a0 in range(0, A, chunk):
+                a1 = min(A, a0 + chunk)
+                c = a1 - a0
+                seen = _context_seen(anchors[:, a0:a1], real)
+                context, own = _packed_scores(qa[:, :, :, a0:a1], cka, bka[:, :, a0:a1], seen, scale)
+                row = torch.logaddexp(torch.logsumexp(context, -1), torch.logsumexp(own, -1))  # [B, kv, g, c, G]
+                pc, po = (context - row[..., None]).exp(), (own - row[..., None]).exp()
+                mixed = torch.matmul(pc.view(B, kv, g * c * G, T), cva).view(B, kv, g, c, G, d)
+                mixed = mixed + torch.einsum("bkgcij,bkcjd->bkgcid", po, bva[:, :, a0:a1])
+                out[:, :, :, a0 * G : a1 * G] = mixed.reshape(B, kv, g, c * G, d)
+                lse[:, :, :, a0 * G : a1 * G] = row.reshape(B, kv, g, c * G)
+        ctx.scale, ctx.block, ctx.chunk = scale, block, chunk
+        ctx.save_for_backward(q, ctx_k, ctx_v, blk_k, blk_v, anchors, real, lse)
+        return out.view(B, heads, Q, d)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        q, ctx_k, ctx_v, blk_k, blk_v, anchors, real, lse = ctx.saved_tensors
+        scale, G, chunk = ctx.scale, ctx.block, ctx.chunk
+        B, heads, Q, d = q.shape
+        kv, T = ctx_k.shape[1], ctx_k.shape[2]
+        g, A = heads // kv, Q // G
+        acc = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            qa = q.to(acc).view(B, kv, g, A, G, d)
+            do = grad_out.to(acc).reshape(B, kv, g, A, G, d)
+            cka, cva = ctx_k.to(acc), ctx_v.to(acc)
+            bka, bva = blk_k.to(acc).view(B, kv, A, G, d), blk_v.to(acc).view(B, kv, A, G, d)
+            lse = lse.view(B, kv, g, A, G)
+            dq = torch.empty_like(qa)
+            dck, dcv = torch.zeros_like(cka), torch.zeros_like(cva)
+            dbk, dbv = torch.empty_like(bka), torch.empty_like(bva)
+            for a0 in range(0, A, chunk):
+                a1 = min(A, a0 + chunk)
+                c = a1 - a0
+                qc, doc, kb, vb = qa[:, :, :, a0:a1], do[:, :, :, a0:a1], bka[:, :, a0:a1], bva[:, :, a0:a1]
+                seen = _context_seen(anchors[:, a0:a1], real)
+                context, own = _packed_scores(qc, cka, kb, seen, scale)
+                row = lse[:, :, :, a0:a1, :, None]
+                pc, po = (context - row).exp(), (own - row).exp()
+                pc_rows, do_rows = pc.view(B, kv, g * c * G, T), doc.reshape(B, kv, g * c * G, d)
+                dcv += torch.matmul(pc_rows.transpose(-1, -2), do_rows)
+                dbv[:, :, a0:a1] = torch.einsum("bkgcij,bkgcid->bkcjd", po, doc)
+                dpc = torch.matmul(do_rows, cva.transpose(-1, -2)).view_as(pc)
+                dpo = torch.einsum("bkgcid,bkcjd->bkgcij", doc, vb)
+                # softmax backward over both key sets: dS = P * (dP - sum_k P_k dP_k)
+                total = (pc * dpc).sum(-1, keepdim=True) + (po * dpo).sum(-1, keepdim=True)
+                dsc, dso = pc * (dpc - total) * scale, po * (dpo - total) * scale
+                dsc_rows = dsc.view(B, kv, g * c * G, T)
+                dq[:, :, :, a0:a1] = torch.matmul(dsc_rows, cka).view_as(qc) + torch.einsum(
+                    "bkgcij,bkcjd->bkgcid", dso, kb
+                )
+                dck += torch.matmul(dsc_rows.transpose(-1, -2), qc.reshape(B, kv, g * c * G, d))
+                dbk[:, :, a0:a1] = torch.einsum("bkgcij,bkgcid->bkcjd", dso, qc)
+        return (
+            dq.view(q.shape).to(q.dtype),
+            dck.to(ctx_k.dtype),
+            dcv.to(ctx_v.dtype),
+            dbk.view(blk_k.shape).to(blk_k.dtype),
+            dbv.view(blk_v.shape).to(blk_v.dtype),
+            *([None] * 5),
+        )
+
+
+def _context_seen(anchors: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """[B, c, T]: context key t is visible to the slots of anchor a when t < anchors[:, a] and real[:, t]."""
+    keys = torch.arange(real.shape[1], device=anchors.device)
+    return (keys < anchors[..., None]) & real[:, None, :]
+
+
+def chunked_packed_attention(
+    q, ctx_k, ctx_v, blk_k, blk_v, packed: PackedBlocks, scale: float, chunk: int | None = None
+) -> torch.Tensor:
+    """Packed block attention in chunks of anchors (`default_anchor_chunk` unless given): exact, memory linear in
+    A and T (plus one chunk's O(chunk x G x T) temporaries), no repeated K/V for GQA."""
+    B, heads, Q, _ = q.shape
+    G, T = packed.block_size, packed.context_length
+    if heads % ctx_k.shape[1]:
+        raise ValueError(f"{heads} query heads are not a multiple of {ctx_k.shape[1]} kv heads")
+    if Q != packed.slots or ctx_k.shape[2] != T or blk_k.shape[2] != Q:
+        raise ValueError(f"{Q} slots and {ctx_k.shape[2]} context keys do not fit {packed.slots} slots over {T}")
+    A = Q // G
+    chunk = chunk or default_anchor_chunk(B, heads, G, T, A)
+    real = packed.real.bool()
+    out = ChunkedPackedAttention.apply(q, ctx_k, ctx_v, blk_k, blk_v, packed.anchors, real, scale, G, chunk)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def flex_packed_attention(
+    q, ctx_k, ctx_v, blk_k, blk_v, packed: PackedBlocks, scale: float, compiled: bool = True
+) -> torch.Tensor:
+    """Packed block attention as one flex_attention call (GQA native) over the keys [context; blocks], with this
+    batch's block mask (`PackedBlocks.block_mask`). `compiled=False` runs flex_attention eagerly (dense: for
+    tests of the mask on the CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    keys, values = torch.cat([ctx_k, blk_k], dim=2), torch.cat([ctx_v, blk_v], dim=2)
+    attend = ttt_attention._compiled_flex() if compiled else flex_attention
+    groups = q.shape[1] // ctx_k.shape[1]
+    out = attend(q, keys, values, block_mask=packed.block_mask(compiled), scale=scale, enable_gqa=groups > 1)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ modules
+
+
 class DSparkAttention(nn.Module):
     """Attention whose keys/values are [context (from target features) ; block (from the layer input)].
     q/k are RMS-normalized per head before RoPE (Qwen3-style, as the speculators DFlash backbone does)."""
@@ -93,15 +360,21 @@ class DSparkAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         return _rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask: torch.Tensor | None):
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask: torch.Tensor | PackedBlocks | None):
+        """mask: the packed training forward's PackedBlocks, or inference's boolean mask over [context; block]
+        (None: everything visible)."""
         B, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, Q, self.heads, self.head_dim)).transpose(1, 2)
         q = _rope(q, cos, sin)
         k, v = self.kv(x, cos, sin)
-        groups = self.heads // self.kv_heads
-        keys = repeat_kv(torch.cat([ctx_k, k], dim=2), groups)
-        values = repeat_kv(torch.cat([ctx_v, v], dim=2), groups)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if isinstance(mask, PackedBlocks):
+            out = packed_block_attention(q, ctx_k, ctx_v, k, v, mask, scale)
+        else:
+            groups = self.heads // self.kv_heads
+            keys = repeat_kv(torch.cat([ctx_k, k], dim=2), groups)
+            values = repeat_kv(torch.cat([ctx_v, v], dim=2), groups)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.heads * self.head_dim))
 
 
@@ -239,14 +512,8 @@ class DSparkDrafter(DrafterBase):
         offsets = torch.arange(G, device=device)
         positions = (anchors[..., None] + offsets).view(B, A * G)
         # block (a, k) sees context positions < anchor a (and real tokens only), and all of block a
-        ctx_mask = (torch.arange(T, device=device)[None, None, :] < anchors[..., None]) & attention_mask.bool()[
-            :, None, :
-        ]
-        ctx_mask = ctx_mask.repeat_interleave(G, dim=1)  # [B, A*G, T]
-        blocks = torch.arange(A, device=device).repeat_interleave(G)
-        blk_mask = (blocks[:, None] == blocks[None, :]).expand(B, A * G, A * G)
-        mask = torch.cat([ctx_mask, blk_mask], dim=-1)[:, None]
-        h = self.backbone(block_tokens, positions, ctx_kv, mask).view(B, A, G, -1)
+        packed = PackedBlocks(anchors, attention_mask.bool(), G)
+        h = self.backbone(block_tokens, positions, ctx_kv, packed).view(B, A, G, -1)
         base = self.lm_head(h)
         if sample_temperature is None:
             prev = input_ids.gather(1, positions.clamp_max(T - 1)).view(B, A, G)

@@ -438,22 +438,21 @@ def dspark_activation_bytes(d: DrafterShape, batch_tokens: int, seq: int, featur
 
     - inputs: the features, fc's output and its norm (2 x T x H x a);
     - per layer: the context K/V (T x 2 kv_heads x head_dim x a), the block slots' layer activations
-      (Tb x a x (4H + (2 heads + 2 kv_heads) x head_dim + 3 x MLP width)) and the GQA-repeated keys/values over
-      every key ((T + Tb) x 2 heads x head_dim x a); SDPA with a boolean mask keeps no score matrix;
-    - the boolean block mask, Tb x (S + A x block_size) bytes, once;
+      (Tb x a x (4H + (2 heads + 2 kv_heads) x head_dim + 3 x MLP width)) and the attention's fp32 log-sum-exp per
+      slot and head (Tb x heads x 4); the packed attention (drafters/dspark.py: chunked on the CPU, flex on CUDA)
+      keeps no score matrix, no mask over every block and no GQA-repeated keys;
     - heads: the block logits with fp32 log-softmax/softmax (Tb x D x (a + 8)), the Markov rows and bias
       (Tb x (r + D) x a), the teacher's probabilities (Tb x D x 4) and the confidence input (Tb x (H + r) x a)."""
     T, H, hd, D, r = batch_tokens, d.hidden, d.head_dim, d.draft_vocab, d.markov_rank
-    _, anchors, Tb = dspark_slots(d, T, seq)
+    _, _, Tb = dspark_slots(d, T, seq)
     per_layer = (
         T * 2 * d.kv_heads * hd * act
         + Tb * act * (4 * H + (2 * d.heads + 2 * d.kv_heads) * hd + 3 * d.intermediate)
-        + (T + Tb) * 2 * d.heads * hd * act
+        + Tb * d.heads * 4
     )
-    mask = Tb * (seq + anchors * d.block_size)
     heads = Tb * D * (act + 8) + Tb * (r + D) * act + Tb * D * 4 + Tb * (H + r) * act
     inputs = T * (d.n_aux + 1) * H * feature_bytes + 2 * T * H * act
-    return float(inputs + d.layers * per_layer + mask + heads)
+    return float(inputs + d.layers * per_layer + heads)
 
 
 def target_bytes(t: TargetShape, lay: Layout, batch_tokens: int, n_aux: int) -> dict[str, float]:

@@ -5,6 +5,8 @@ acceptance probability; sequential temperature scaling lowers held-out ECE on a 
 import pytest
 import torch
 
+from draftsmith.drafters import dspark as dsp
+from draftsmith.drafters import ttt_attention
 from draftsmith.drafters.calibration import fit_sequential_temperatures, survival_ece
 from draftsmith.drafters.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.drafters.losses import teacher_from_final
@@ -277,3 +279,204 @@ def test_sampled_markov_inputs_supervise_a_slot_only_while_its_conditioning_matc
     _, stats = dspark_objective(model, batch, head, sampled)
     for k in range(G):
         assert stats[f"n_{k}"] == int(valid.view(2, -1, G)[..., k].sum())
+
+
+# ------------------------------------------------------------------------------ packed training attention
+
+
+def _packed_inputs(heads, kv_heads, A, G, dtype, device="cpu", T=13, d=8, seed=0):
+    """Random slots q [2, heads, A*G, d], context and block keys/values [2, kv_heads, T | A*G, d] (leaves with
+    grad), and the packing: row 0 has anchors at 0 and T-1 (an empty context and the longest one); row 1 is
+    right-padded (its last 4 tokens are padding) with an anchor near the end that would see the padded tokens,
+    a hole in its attention mask, and padding anchors (0) after its real ones."""
+    g = torch.Generator().manual_seed(seed)
+
+    def leaf(h, n):
+        return torch.randn(2, h, n, d, generator=g, dtype=torch.float64).to(device, dtype).requires_grad_()
+
+    q = leaf(heads, A * G)
+    ck, cv, bk, bv = leaf(kv_heads, T), leaf(kv_heads, T), leaf(kv_heads, A * G), leaf(kv_heads, A * G)
+    anchors = torch.randint(0, T, (2, A), generator=g)
+    anchors[0, 0], anchors[0, -1] = 0, T - 1
+    anchors[1] = torch.sort(anchors[1]).values
+    anchors[1, A // 2 :] = 0  # padding anchors
+    anchors[1, max(0, A // 2 - 1)] = T - 2
+    real = torch.ones(2, T, dtype=torch.bool)
+    real[1, T - 4 :] = False
+    real[1, 3] = False
+    packed = dsp.PackedBlocks(anchors.to(device), real.to(device), G)
+    return (q, ck, cv, bk, bv), packed
+
+
+def _run_packed(fn, leaves, packed, grad_seed=1):
+    """fn's output and every input's gradient under a fixed random upstream gradient."""
+    for x in leaves:
+        x.grad = None
+    out = fn(*leaves, packed, 0.35)
+    g = torch.Generator().manual_seed(grad_seed)
+    (out * torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype)).sum().backward()
+    return [out.detach()] + [x.grad.clone() for x in leaves]
+
+
+def _double(leaves):
+    return [x.detach().double().requires_grad_() for x in leaves]
+
+
+PACKED_NAMES = ["output", "grad q", "grad context k", "grad context v", "grad block k", "grad block v"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("A,G,chunk", [(1, 1, None), (2, 4, 1), (5, 3, 2), (7, 2, 3), (6, 4, None)])
+def test_chunked_packed_attention_equals_the_reference(dtype, heads, kv_heads, A, G, chunk):
+    """Outputs and the gradients of every input. fp64 and fp32 against the reference directly; bf16 against the
+    float64 result on the same (rounded) inputs, which the reference (bf16 SDPA) and the chunked path (fp32
+    throughout) both approximate: the chunked path must be at least about as close as the reference."""
+    leaves, packed = _packed_inputs(heads, kv_heads, A, G, dtype)
+    new = _run_packed(lambda *a: dsp.chunked_packed_attention(*a, chunk=chunk), leaves, packed)
+    ref = _run_packed(dsp.packed_attention_reference, leaves, packed)
+    exact = _run_packed(dsp.packed_attention_reference, _double(leaves), packed)
+    tol = {torch.float64: 1e-12, torch.float32: 2e-6}.get(dtype)
+    for name, n, r, e in zip(PACKED_NAMES, new, ref, exact):
+        assert n.dtype == dtype, name
+        if tol is not None:
+            torch.testing.assert_close(n, r, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+        else:
+            err_new, err_ref, top = (n.double() - e).abs().max(), (r.double() - e).abs().max(), e.abs().max()
+            assert err_new <= 1.25 * err_ref + 2**-8 * top and err_new <= 0.01 * top, (name, err_new, err_ref)
+
+
+def test_chunked_packed_attention_gradcheck():
+    leaves, packed = _packed_inputs(4, 2, 3, 2, torch.float64, T=6, d=3)
+    fn = lambda *a: dsp.chunked_packed_attention(*a, packed, 0.7, chunk=2)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, tuple(leaves), eps=1e-6, atol=1e-7)
+
+
+def _visible_keys(attend, packed):
+    """[B, A*G, T + A*G]: which keys ([context; blocks]) each slot's output draws on, read off the attention
+    itself: zero queries weigh every visible key alike, and each key's value is the one-hot of its index."""
+    B, Q, T = packed.anchors.shape[0], packed.slots, packed.context_length
+    n = T + Q
+    eye = torch.eye(n, dtype=torch.float64).expand(B, 1, n, n)
+    q, zeros = torch.zeros(B, 1, Q, n, dtype=torch.float64), torch.zeros(B, 1, n, n, dtype=torch.float64)
+    out = attend(q, zeros[:, :, :T], eye[:, :, :T], zeros[:, :, T:], eye[:, :, T:], packed, 1.0)
+    return out[:, 0] > 0
+
+
+@pytest.mark.parametrize("A,G", [(1, 1), (3, 4), (6, 2)])
+def test_the_masks_of_every_path_are_the_references(A, G):
+    """The reference's mask is the specification (each slot: context keys before its anchor that are real tokens,
+    and its own block); flex_attention's mask_mod evaluated over all (slot, key) pairs, and the keys the chunked
+    path's output actually draws on, are that mask."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    _, packed = _packed_inputs(1, 1, A, G, torch.float64)
+    T, Q = packed.context_length, packed.slots
+    expected = torch.zeros(2, Q, T + Q, dtype=torch.bool)
+    for b in range(2):
+        for s in range(Q):
+            a = s // G
+            for t in range(T):
+                expected[b, s, t] = t < packed.anchors[b, a] and packed.real[b, t]
+            expected[b, s, T + a * G : T + (a + 1) * G] = True
+    assert torch.equal(packed.dense_mask()[:, 0], expected)
+    assert torch.equal(_visible_keys(dsp.packed_attention_reference, packed), expected)
+    flex = create_mask(packed.mask_mod(), 2, 1, Q, T + Q, device="cpu")[:, 0]
+    assert torch.equal(flex, expected)
+    for chunk in (1, 2, None):
+        chunked = _visible_keys(lambda *a, chunk=chunk: dsp.chunked_packed_attention(*a, chunk=chunk), packed)
+        assert torch.equal(chunked, expected), chunk
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("A,G", [(3, 4), (7, 2)])
+def test_flex_packed_attention_eagerly_on_cpu_equals_the_reference(heads, kv_heads, A, G):
+    """flex_attention eagerly on the CPU (forward only: no CPU backward) with this batch's block mask, as the
+    CUDA path compiles it."""
+    leaves, packed = _packed_inputs(heads, kv_heads, A, G, torch.float64)
+    leaves = [x.detach() for x in leaves]
+    with torch.no_grad():
+        ref = dsp.packed_attention_reference(*leaves, packed, 0.35)
+        out = dsp.flex_packed_attention(*leaves, packed, 0.35, compiled=False)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_chunked_packed_attention_keeps_memory_linear_in_the_anchors():
+    """What autograd keeps for backward grows linearly in A with the chunked path (by the same amount for each
+    added anchor) and faster with the reference (its mask is A*G x (T + A*G)). Counted with saved-tensor hooks."""
+
+    def saved(fn, A):
+        leaves, packed = _packed_inputs(4, 2, A, 4, torch.float32, T=64)
+        sizes = []
+
+        def pack(x):
+            sizes.append(x.numel())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            fn(*leaves, packed, 0.35)
+        return sum(sizes)
+
+    chunked = lambda *a: dsp.chunked_packed_attention(*a, chunk=4)  # noqa: E731
+    c = [saved(chunked, A) for A in (32, 64, 128)]
+    assert c[2] - c[1] == 2 * (c[1] - c[0])
+    r = [saved(dsp.packed_attention_reference, A) for A in (32, 64, 128)]
+    assert r[2] - r[1] > 2.5 * (r[1] - r[0])
+
+
+def test_default_anchor_chunk_keeps_a_chunks_scores_in_budget(monkeypatch):
+    """As many anchors per chunk as keep B x heads x chunk x G x T scores at CHUNK_ELEMENTS, at least 1, at most A."""
+    assert dsp.default_anchor_chunk(2, 4, 2, 10, 5) == 5
+    monkeypatch.setattr(ttt_attention, "CHUNK_ELEMENTS", 2 * 4 * 2 * 10 * 3)
+    assert dsp.default_anchor_chunk(2, 4, 2, 10, 5) == 3 and dsp.default_anchor_chunk(2, 4, 2, 10, 2) == 2
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked", "auto"])
+def test_packed_forward_through_each_attention_path_equals_one_anchor_inference(impl, test_device, monkeypatch):
+    """The packed forward == inference check above, through each path (chunked: 3 anchors per chunk of 4, so a
+    chunk boundary falls inside a row; auto: the device's default, flex_attention on CUDA)."""
+    monkeypatch.setattr(ttt_attention, "CHUNK_ELEMENTS", 2 * 4 * 4 * 15 * 3)
+    with ttt_attention.use_impl(impl):
+        test_packed_multi_anchor_forward_equals_one_anchor_inference({}, test_device)
+
+
+def test_parameter_gradients_are_the_same_through_every_attention_path(test_device, monkeypatch):
+    """A training step's parameter gradients through the chunked path (2 anchors per chunk) and the device's
+    default equal those through the dense reference; padded tokens and padding anchors included."""
+    monkeypatch.setattr(ttt_attention, "CHUNK_ELEMENTS", 2 * 4 * 4 * 15 * 2)
+    model = _drafter(device=test_device).train()
+    g = torch.Generator().manual_seed(3)
+    aux = torch.randn(2, 15, 3 * HT, generator=g, dtype=torch.float64).to(test_device)
+    ids = torch.randint(0, V - 1, (2, 15), generator=g).to(test_device)
+    att = torch.ones(2, 15, dtype=torch.bool, device=test_device)
+    att[1, 10:] = False
+    anchors = torch.tensor([[0, 4, 8, 14, 11], [3, 9, 13, 0, 0]], device=test_device)
+    grads = {}
+    for impl in ("reference", "chunked", "auto"):
+        model.zero_grad()
+        with ttt_attention.use_impl(impl):
+            logits, conf, _ = model(aux, ids, att, anchors)
+        (logits.square().mean() + conf.mean()).backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert "fc.weight" in grads["reference"] and "layers.0.self_attn.k_proj.weight" in grads["reference"]
+    for impl in ("chunked", "auto"):
+        assert grads[impl].keys() == grads["reference"].keys()
+        for n, gr in grads[impl].items():
+            torch.testing.assert_close(gr, grads["reference"][n], rtol=1e-9, atol=1e-11, msg=f"{impl}: {n}")
+
+
+def test_the_packed_path_is_chosen_where_ttt_attention_chooses(monkeypatch):
+    """One switch for both drafters' training attention: use_impl / $DRAFTSMITH_TTT_ATTENTION; on the CPU the
+    default is the chunked path."""
+    monkeypatch.delenv(ttt_attention.ENV_VAR, raising=False)
+    leaves, packed = _packed_inputs(4, 2, 3, 2, torch.float64)
+    called = []
+    for name in ("packed_attention_reference", "chunked_packed_attention", "flex_packed_attention"):
+        monkeypatch.setattr(dsp, name, lambda *a, name=name: called.append(name) or a[0])
+    dsp.packed_block_attention(*leaves, packed, 0.35)
+    with ttt_attention.use_impl("reference"):
+        dsp.packed_block_attention(*leaves, packed, 0.35)
+    monkeypatch.setenv(ttt_attention.ENV_VAR, "flex")
+    dsp.packed_block_attention(*leaves, packed, 0.35)
+    assert called == ["chunked_packed_attention", "packed_attention_reference", "flex_packed_attention"]

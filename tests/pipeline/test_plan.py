@@ -272,11 +272,11 @@ def test_b_dspark(plan_b):
     assert m["drafter weights"] == 59_538_178 and m["frozen drafter weights"] == 81_920_000
     # 2 sequences of 2048 per micro-batch, 64 anchors each, blocks of 8 -> 1024 slots; a = 2:
     #   per layer: context k/v 4096*2*4*64*2 = 4,194,304; slots 1024*2*(4096 + 40*64 + 8448) = 30,932,992;
-    #   repeated k/v (4096+1024)*2*16*64*2 = 20,971,520 -> 56,098,816, x2 layers
-    #   mask 1024*(2048 + 512) = 2,621,440; inputs 2*4096*1024*2 = 16,777,216
+    #   log-sum-exp 1024*16*4 = 65,536 -> 35,192,832, x2 layers (no mask, no repeated k/v: the packed attention)
+    #   inputs 2*4096*1024*2 = 16,777,216
     #   heads 1024*8000*10 + 1024*8128*2 + 1024*8000*4 + 1024*1152*2 = 133,693,440
-    assert m["activations (anchor blocks)"] == 265_289_728
-    assert d["memory_total_bytes"] == pytest.approx(773_031_843.75)  # fp32 teacher head
+    assert m["activations (anchor blocks)"] == 220_856_320
+    assert d["memory_total_bytes"] == pytest.approx(728_598_435.75)  # fp32 teacher head
     f = d["flops_per_token"]
     # ρ = 64 anchors * 8 / 768 = 2/3 block slots per context token
     assert f["drafter (context)"] == 6 * (2 * 1024 * 1024 + 2 * 2 * 1024 * 256) == 18_874_368
