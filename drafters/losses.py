@@ -139,3 +139,118 @@ def simulated_acceptance_length(alphas: list[torch.Tensor], valid: list[torch.Te
         survive = survive * a * v.float()
         tau = tau + survive
     return tau
+
+
+# --------------------------------------------------------------------------------- fused per-step terms
+#
+# A TTT step's logits are [B, T, D] with D the draft vocab (32k): every pass over them streams hundreds of MB. The
+# unfused terms (`position_losses`, `acceptance`, the argmax statistic) take about a dozen such passes forward and
+# backward (temperature division, log-softmax, products, softmax again, minimum, their backward) and keep the
+# [B, T, D] log-probabilities for backward. `step_terms` computes the same values in chunks of rows, each chunk
+# small enough to stay in cache: forward reads the logits once and keeps only each row's log-sum-exp (and, for
+# `tv`/`accept`, its overlap); backward recomputes a chunk's probabilities and writes the logits' gradient once.
+# Written by hand because no library fuses a loss against a *distribution* (the teacher's soft labels, Σ min(p, q))
+# rather than a class index. The unfused functions above stay as the reference the tests compare with.
+
+CHUNK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 26}
+"""Logit elements per chunk (B x rows x D): about L2-sized in fp32 on a CPU; on CUDA, large enough that launches
+are few (rows are independent, so any chunk gives the same values)."""
+
+
+def _rows_per_chunk(logits: torch.Tensor) -> int:
+    B, _, D = logits.shape
+    return max(1, CHUNK_ELEMENTS.get(logits.device.type, 1 << 26) // max(1, B * D))
+
+
+def _tempered(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x in fp32 divided by the temperature (1 for greedy); no division by 1 (the same values, one pass fewer)."""
+    x = x.float()
+    t = temperature if temperature > 0 else 1.0
+    return x if t == 1.0 else x / t
+
+
+class _StepTerms(torch.autograd.Function):
+    """(loss [B, T], acceptance [B, T], argmax agreement [B, T]) of logits [B, T, D] against a teacher of the first
+    N <= T slots; slots past N get 0 in all three and no gradient. Only the loss is differentiable. Per chunk, in
+    place where it can: one max (the stabilizer and the argmax), exp, sum, the normalization, the kind's terms."""
+
+    @staticmethod
+    def forward(ctx, logits, probs, exact, teacher_argmax, draft_ids, kind: str, temperature: float):
+        B, T, _ = logits.shape
+        N = probs.shape[1]
+        rows = _rows_per_chunk(logits)
+        loss, alpha, correct, lse, overlap_of = (
+            torch.zeros(B, T, dtype=torch.float32, device=logits.device) for _ in range(5)
+        )
+        with torch.autocast(logits.device.type, enabled=False):
+            for s in range(0, N, rows):
+                e = min(N, s + rows)
+                x = _tempered(logits[:, s:e], temperature)
+                top, arg = x.max(dim=-1, keepdim=True)  # the argmax of x is the logits' argmax (t > 0)
+                q = (x - top).exp_()
+                total = q.sum(-1, keepdim=True)
+                q.div_(total)
+                lse[:, s:e] = (top + total.log())[..., 0]
+                correct[:, s:e] = (draft_ids[arg[..., 0]] == teacher_argmax[:, s:e]).float()
+                p = probs[:, s:e]
+                if exact is not None:
+                    alpha[:, s:e] = torch.minimum(exact[:, s:e], q).sum(-1)
+                else:
+                    alpha[:, s:e] = correct[:, s:e]
+                if kind == "ce":
+                    # -Σ p log q with log q = x - lse and Σ p = 1 (the soft labels are a distribution)
+                    loss[:, s:e] = lse[:, s:e] - (p * x).sum(-1)
+                else:
+                    # tv / accept compare q with the full-vocabulary p (the soft labels at temperature 0)
+                    overlap = alpha[:, s:e] if exact is not None else torch.minimum(p, q).sum(-1)
+                    overlap_of[:, s:e] = overlap
+                    loss[:, s:e] = 1.0 - overlap if kind == "tv" else -torch.log(overlap.clamp_min(1e-9))
+        ctx.kind, ctx.temperature, ctx.rows = kind, temperature, rows
+        ctx.save_for_backward(logits, probs, exact if exact is not None else probs, lse, overlap_of)
+        ctx.mark_non_differentiable(alpha, correct)
+        return loss, alpha, correct
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_alpha, _grad_correct):
+        logits, probs, exact, lse, overlap = ctx.saved_tensors
+        kind, temperature, rows = ctx.kind, ctx.temperature, ctx.rows
+        t = temperature if temperature > 0 else 1.0
+        N = probs.shape[1]
+        grad = torch.empty_like(logits)
+        grad[:, N:] = 0
+        with torch.autocast(logits.device.type, enabled=False):
+            for s in range(0, N, rows):
+                e = min(N, s + rows)
+                x = _tempered(logits[:, s:e], temperature)
+                fp32 = grad.dtype == torch.float32
+                # q written straight into the gradient's rows when they are fp32 (no temporary)
+                q = torch.sub(x, lse[:, s:e, None], out=grad[:, s:e]) if fp32 else x - lse[:, s:e, None]
+                q.exp_()
+                g = grad_loss[:, s:e, None].float() / t
+                if kind == "ce":
+                    # d/dx of -Σ p log softmax(x/t) = (q - p) / t
+                    dx = q.sub_(probs[:, s:e]).mul_(g)
+                else:
+                    # overlap O = Σ min(p, q); dO/dq_j = [q_j < p_j]; through the softmax: q (d - Σ q d)
+                    d = (q < exact[:, s:e]).float()
+                    d.sub_((q * d).sum(-1, keepdim=True))
+                    scale = g.neg() if kind == "tv" else g.neg() / overlap[:, s:e, None].clamp_min(1e-9)
+                    dx = q.mul_(d).mul_(scale)
+                if not fp32:
+                    grad[:, s:e] = dx
+        return grad, None, None, None, None, None, None
+
+
+def step_terms(
+    logits: torch.Tensor, teacher: Teacher, draft_ids: torch.Tensor, kind: str, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-slot terms of one training step, fused (see above): (loss, acceptance probability, argmax agreement),
+    each [B, T] fp32. `logits` [B, T, D] of every slot; `teacher` for the first N <= T of them (`Teacher.ahead`);
+    slots past N get 0 (their loss mask is 0). Equal to `pad_end` of `position_losses(logits[:, :N], ...)`,
+    `acceptance(...)` and `draft_ids[argmax] == teacher.argmax`, which stay as the reference."""
+    if kind not in ("ce", "tv", "accept"):
+        raise ValueError(f"unknown loss {kind!r} (choose ce, tv or accept)")
+    exact = teacher.exact if temperature > 0 else None
+    loss, alpha, correct = _StepTerms.apply(logits, teacher.probs, exact, teacher.argmax, draft_ids, kind, temperature)
+    return loss, alpha, correct

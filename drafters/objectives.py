@@ -19,6 +19,7 @@ from draftsmith.drafters.losses import (
     position_losses,
     shift,
     simulated_acceptance_length,
+    step_terms,
     teacher_from_final,
 )
 from draftsmith.drafters.vocab import draft_to_target_ids
@@ -86,16 +87,13 @@ def eagle3_objective(
         # ... whose distribution the target gives at position t+1+i: a view of the teacher computed once for the
         # micro-batch; the last 1+i slots have none (and mask 0), their per-slot values are padded with 0
         t_i = teacher.ahead(1 + i)
-        live = logits[:, : max(T - 1 - i, 0)]
         n = mask.sum()
-        per_pos = pad_end(position_losses(live, t_i, s.loss, s.temperature), T)
-        alpha = pad_end(acceptance(live, t_i, draft_ids, s.temperature), T)
+        per_pos, alpha, correct = step_terms(logits, t_i, draft_ids, s.loss, s.temperature)
         bce = F.binary_cross_entropy_with_logits(conf.float(), alpha, reduction="none")
         denom = n.clamp_min(1)
         total = total + (s.step_decay**i) * (per_pos * mask).sum() / denom
         total = total + s.confidence_weight * (bce * mask).sum() / denom
         with torch.no_grad():
-            correct = pad_end((draft_ids[live.argmax(-1)] == t_i.argmax).float(), T)
             stats[f"n_{i}"] = n.float()
             stats[f"loss_{i}"] = (per_pos * mask).sum().detach()
             stats[f"acc_{i}"] = (correct * mask).sum()

@@ -359,12 +359,13 @@ def eagle3_activation_bytes(
       keys/values of steps 0..i laid end to end ((1 + i) x 2 x kv_heads x head_dim). `"chunked"` (CPU) keeps
       nothing more (it reads the steps' own k/v); its working set, a query chunk's scores, is bounded
       (CHUNK_ELEMENTS) and left out;
-    - per step the draft-vocab logits (a) and the losses' fp32 log-softmax (4): T x D x (a + 4); the final norm,
-      the confidence MLP's input and hidden: T x (4H + 2 x 256) x a;
+    - per step the draft-vocab logits: T x D x a (the fused step terms, drafters/losses.py `step_terms`, keep
+      only a log-sum-exp per row beside them); the final norm, the confidence MLP's input and hidden:
+      T x (4H + 2 x 256) x a;
     - in bf16 (a = 2) every RMSNorm (3 in the first layer, 2 in others, the final one) also keeps the fp32 copy of
       its input it computes in: T x H x 4 each;
-    - while the last step's losses are computed: three fp32 [T, D] temporaries (the scaled logits, the draft
-      distribution, the overlap with the teacher).
+    - when backward starts, with all of that alive: the gradient of the last step's logits, T x D x a (the fused
+      terms' own temporaries are one chunk of rows, bounded by losses.CHUNK_ELEMENTS, and left out).
 
     With gradient checkpointing only each step's layer inputs (2H) and the k/v the later steps attend to stay,
     and one step (the last, the largest) is rebuilt at a time."""
@@ -391,8 +392,8 @@ def eagle3_activation_bytes(
         kept = steps * nl * T * act * (2 * H + 2 * d.kv_heads * hd) + layers(steps - 1)
     else:
         kept = sum(layers(i) for i in range(steps))
-    heads = steps * (T * D * (act + 4) + T * ((4 * H + 2 * CONFIDENCE_HIDDEN) * act + H * norm_copy))
-    losses = 3 * T * D * 4
+    heads = steps * (T * D * act + T * ((4 * H + 2 * CONFIDENCE_HIDDEN) * act + H * norm_copy))
+    losses = T * D * act
     teacher = T * D * 4 * (2 if exact_teacher else 1)
     inputs = T * (d.n_aux + 1) * H * feature_bytes + T * H * act + teacher
     return float(inputs + kept + heads + losses)

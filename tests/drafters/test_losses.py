@@ -73,3 +73,39 @@ def test_the_teacher_ahead_is_a_view_and_gives_the_shifted_teachers_values(test_
                 assert got.shape == want.shape and (got[:, T - n :] == 0).all()
             got = pad_end(acceptance(live, ahead, draft_ids, temperature), T)
             assert torch.equal(got[:, : T - n], acceptance(logits, copied, draft_ids, temperature)[:, : T - n])
+
+
+def test_fused_step_terms_equal_the_reference_values_and_gradients(test_device, monkeypatch):
+    """`step_terms` (chunked, fused: what EAGLE-3's objective runs) gives the unfused reference's loss, acceptance,
+    argmax agreement and logits gradient, for every loss kind and temperature, with a teacher for the first N < T
+    slots (TTT step i's `Teacher.ahead`), in chunks that do not divide N, for fp32 and bf16 logits."""
+    from draftsmith.drafters import losses
+    from draftsmith.drafters.losses import pad_end, step_terms
+
+    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", {test_device.type: 2 * 2 * D})  # 2 rows of B=2 per chunk
+    head, final, draft_ids, logits = _case(test_device, 3)
+    T = final.shape[1]
+    weights = torch.rand(2, T, generator=torch.Generator().manual_seed(4)).to(test_device)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-6)):
+        for temperature in (0.0, 0.7, 1.0):
+            teacher = teacher_from_final(final, head, draft_ids, temperature)
+            for n in (1, 2):
+                ahead = teacher.ahead(n)
+                for kind in ("ce", "tv", "accept"):
+                    x = logits.to(dtype).clone().requires_grad_(True)
+                    loss, alpha, correct = step_terms(x, ahead, draft_ids, kind, temperature)
+                    (loss * weights).sum().backward()
+                    y = logits.to(dtype).clone().requires_grad_(True)
+                    live = y[:, : T - n]
+                    want = pad_end(position_losses(live, ahead, kind, temperature), T)
+                    (want * weights).sum().backward()
+                    where = (dtype, temperature, n, kind)
+                    torch.testing.assert_close(loss, want.detach(), rtol=0, atol=tol * 10, msg=str(where))
+                    want_alpha = pad_end(acceptance(live.detach(), ahead, draft_ids, temperature), T)
+                    torch.testing.assert_close(alpha, want_alpha, rtol=0, atol=tol, msg=str(where))
+                    agree = pad_end((draft_ids[live.detach().argmax(-1)] == ahead.argmax).float(), T)
+                    assert torch.equal(correct, agree), where
+                    assert x.grad.dtype == dtype and (x.grad[:, T - n :] == 0).all(), where
+                    gtol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: the gradient is rounded once
+                    torch.testing.assert_close(x.grad.float(), y.grad.float(), rtol=0, atol=gtol, msg=str(where))
+                    assert not alpha.requires_grad and not correct.requires_grad

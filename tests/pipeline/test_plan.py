@@ -68,26 +68,26 @@ def test_a_memory(plan_a):
     #   o_proj's input (2*4 + 2*2)*16*4 = 768, the rows' lse 4*4 = 16, flex's output 4*16*4 = 256 and the k/v of
     #   steps 0..i (1+i)*2*2*16*4 = 512 (i=1), 768 (i=2)
     #   step 0: 160*5888 = 942,080; step 1: 160*(4352 + 1552) = 944,640; step 2: 160*(4352 + 1808) = 985,600
-    #   heads per step: 160*(256*(4+4) + (4*64 + 512)*4) = 160*5120 = 819,200
-    #   the last step's loss temporaries: 3*160*256*4 = 491,520
+    #   heads per step: 160*(256*4 + (4*64 + 512)*4) = 160*4096 = 655,360 (logits only: the fused step terms)
+    #   the last step's logits gradient when backward starts: 160*256*4 = 163,840
     #   inputs: 160*4*64*4 (features) + 160*64*4 (fc) + 2*160*256*4 (teacher probs + exact) = 532,480
-    # 532,480 + 942,080 + 944,640 + 985,600 + 3*819,200 + 491,520 = 6,353,920 (nothing quadratic in T)
-    assert m["activations (TTT unroll)"] == 6_353_920
+    # 532,480 + 942,080 + 944,640 + 985,600 + 3*655,360 + 163,840 = 5,534,720 (nothing quadratic in T)
+    assert m["activations (TTT unroll)"] == 5_534_720
     assert m["teacher lm_head (fp32)"] == 4 * 384 * 64 == 98_304
     assert m["teacher logits (one chunk)"] == 160 * 384 * 8 == 491_520
     # the teacher's logits are freed before the unroll: the total counts the larger (the activations)
-    # 429,060*2 + 858,120 + 98,304 + 6,353,920 + 98,304 = 8,266,768
-    assert plan_a.drafters[0]["memory_total_bytes"] == 8_266_768
+    # 429,060*2 + 858,120 + 98,304 + 5,534,720 + 98,304 = 7,447,568
+    assert plan_a.drafters[0]["memory_total_bytes"] == 7_447_568
 
 
 def test_a_long_sequences(plan_a):
     """The same drafter with one sequence of L tokens per micro-batch: per token, the steps' layers 5888 + 5904 +
-    6160, the heads 3*5120, the loss temporaries 3*256*4 = 3072, the inputs 1024 + 256 + 2048 = 3328 -> 39,712 B;
+    6160, the heads 3*4096, the last logits' gradient 256*4 = 1024, the inputs 1024 + 256 + 2048 = 3328 -> 34,592 B;
     plus the weights, gradients, moments, frozen embedding and teacher head (1,912,848 B); the teacher's logits
     (2048*384*8 = 6,291,456) are smaller than the activations."""
     long = plan_a.drafters[0]["long_sequence_memory_bytes"]
-    # 39,712*4096 + 1,912,848 = 164,573,200; 39,712*8192 + ... = 327,233,552; 39,712*16384 + ... = 652,554,256
-    assert long == {"4096": 164_573_200, "8192": 327_233_552, "16384": 652_554_256}
+    # 34,592*4096 + 1,912,848 = 143,601,680; 34,592*8192 + ... = 285,290,512; 34,592*16384 + ... = 568,668,176
+    assert long == {"4096": 143_601_680, "8192": 285_290_512, "16384": 568_668_176}
 
 
 def test_eagle3_activations_are_linear_in_sequence_length():
@@ -113,10 +113,10 @@ def test_eagle3_step_peak_is_gradients_and_the_larger_of_teacher_and_activations
     # fp32, one process: gradients 4 B per trainable parameter (107,265, test A)
     act = eagle3_activation_bytes(d, 3, 160, 0, 4, False, attention="chunked")
     assert eagle3_step_peak_bytes(d, 3, 160, 4, attention="chunked") == 4 * 107_265 + act
-    # one token of a 100k vocabulary: the teacher's logits (100,000*8 B) outweigh the unroll (16,384 B: step 0's
-    # layer 5888, heads 5120, loss temporaries 3072, fc 256 and teacher 2048)
+    # one token of a 100k vocabulary: the teacher's logits (100,000*8 B) outweigh the unroll (13,312 B: step 0's
+    # layer 5888, heads 4096, the logits' gradient 1024, fc 256 and teacher 2048)
     big_vocab = DrafterShape("eagle3", 64, 1, 4, 2, 16, 128, 3, 256, 100_000)
-    assert eagle3_activation_bytes(big_vocab, 1, 1, 0, 4, False) == 16_384
+    assert eagle3_activation_bytes(big_vocab, 1, 1, 0, 4, False) == 13_312
     assert eagle3_step_peak_bytes(big_vocab, 1, 1, 4) == 4 * 107_265 + 800_000
 
 
@@ -241,17 +241,17 @@ def test_b_eagle3(plan_b):
     #   kept step inputs + k/v: 7*4096*2*(2048 + 512) = 146,800,640
     #   one rebuilt step (the last, i=6), per token: 2*(9*1024 + 4*2816) = 40,960, the norms' fp32 copies
     #   3*1024*4 = 12,288, attention (2*16 + 2*4)*64*2 + 16*4 + 16*64*2 + 7*2*4*64*2 = 14,400 -> x4096 = 277,086,208
-    #   heads 7*4096*(8000*6 + (4096 + 512)*2 + 1024*4) = 1,757,937,664
-    #   the last step's loss temporaries 3*4096*8000*4 = 393,216,000
-    assert m["activations (TTT unroll)"] == 2_845_573_120
+    #   heads 7*4096*(8000*2 + (4096 + 512)*2 + 1024*4) = 840,433,664 (logits only: the fused step terms)
+    #   the last step's logits gradient 4096*8000*2 = 65,536,000
+    assert m["activations (TTT unroll)"] == 1_600_389_120
     assert m["teacher logits (one chunk)"] == 2048 * 32000 * 8 == 524_288_000
     assert m["target weights (bf16)"] == 245_924_864 * 2 / 8 == 61_481_216
     # one forward's working set: 4096 * ((4+1)*1024 + 4*1024 + 2*2816) * 2 = 121,634,816
     assert m["target forward"] == 121_634_816
     # weights, gradients, optimizer, activations, fp32 teacher head, target; the teacher's logits (smaller than the
     # activations) are not counted
-    assert d["memory_total_bytes"] == pytest.approx(3_321_898_115.75)  # 51,520,514 + 65,536,000 + 6,440,064.25
-    # + 38,640,385.5 + 2,845,573,120 + 4*32000*1024 (fp32 teacher head) + 61,481,216 + 121,634,816
+    assert d["memory_total_bytes"] == pytest.approx(2_076_714_115.75)  # 51,520,514 + 65,536,000 + 6,440,064.25
+    # + 38,640,385.5 + 1,600,389,120 + 4*32000*1024 (fp32 teacher head) + 61,481,216 + 121,634,816
     f = d["flops_per_token"]
     assert f["drafter"] == 6 * 25_760_257 * 7 == 1_081_930_794
     assert f["drafter attention"] == 16 * 64 * 768 * 6 * 7 == 33_030_144
