@@ -113,6 +113,7 @@ def decode(
         else:
             drafts, accepted, news, feats = _verify_chains(target, proposal, history, active, params, gens, verify)
             drafted = [len(d) for d in drafts]
+            proposer.observe(proposal, accepted)  # before the next round's admission: outcomes one round old
         target.compact()
         t2 = clock(device)
         for b in range(B):

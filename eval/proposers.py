@@ -67,6 +67,10 @@ class NoDraft:
     def commit(self, drafts: Sequence[Sequence[int]], accepted: Sequence[int], news: Sequence[int], feats) -> None:
         pass
 
+    def observe(self, proposal: Proposal, accepted: Sequence[int]) -> None:
+        """A chain proposal's verification: how many of each row's drafts were accepted (for a schedule that learns
+        from it)."""
+
 
 class PromptLookup(NoDraft):
     """Deterministic proposals (q is one-hot on the drafted token), as in prompt-lookup decoding."""
@@ -153,6 +157,10 @@ class TrainedProposer(NoDraft):
         self.c0 = torch.ones(rows, dtype=torch.float64)
         if self.schedule is not None:
             self.schedule.reset()
+
+    def observe(self, proposal: Proposal, accepted: Sequence[int]) -> None:
+        if self.schedule is not None and proposal.confidences is not None:
+            self.schedule.observe(proposal.confidences, list(accepted))
 
     def _skip_round(self, active) -> bool:
         """Whether this round drafts nothing at all (a plain target step, with no drafter work), decided by the

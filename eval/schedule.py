@@ -114,10 +114,37 @@ class CostSchedule:
     """At most this share of a plain step's time, averaged over the rounds skipped, goes to asking a drafter that does
     not pay again: the first probe waits `draft round / (probe_share * plain step)` rounds (then twice as many, ...)."""
 
+    prior = 4.0
+    """Weight, in slots, of the online calibration's prior (predictions taken as right) against what was seen."""
+
     def __init__(self, costs: CostTable):
         self.costs = costs
         self.halted = False
+        # online calibration, per depth i: the predicted survival Σ c_0...c_i of the slots verified so far, and how
+        # many of them were accepted (kept across decodes: only rounds already verified count, never this one's)
+        self.predicted: list[float] = []
+        self.accepted: list[float] = []
         self.reset()
+
+    def observe(self, confidences: list[list[float]], accepted: list[int]) -> None:
+        """A verified round: row b drafted with confidences `confidences[b]` and had `accepted[b]` drafts accepted."""
+        for confs, n in zip(confidences, accepted):
+            survival = 1.0
+            for i, c in enumerate(confs):
+                if i == len(self.predicted):
+                    self.predicted.append(0.0)
+                    self.accepted.append(0.0)
+                survival *= c
+                self.predicted[i] += survival
+                self.accepted[i] += float(n > i)
+
+    def ratio(self, i: int) -> float:
+        """What depth i's predicted survivals are multiplied by: accepted / predicted so far, shrunk toward 1 by
+        `prior`. Confidences calibrated at another temperature or on other text (EAGLE-3's head at T = 1 predicted
+        0.3 where 0.07 was accepted) are corrected from what verification has shown, one round late."""
+        if i >= len(self.predicted):
+            return 1.0
+        return (self.accepted[i] + self.prior) / (self.predicted[i] + self.prior)
 
     def reset(self) -> None:
         """A new decode: no rounds skipped yet."""
@@ -131,7 +158,8 @@ class CostSchedule:
         predictable is noticed."""
         batch, rows = int(active.shape[0]), int(active.sum())
         c = self.costs
-        gain = float(c0.double().where(active, torch.zeros_like(c0, dtype=torch.float64)).sum())
+        c0 = (c0.double() * self.ratio(0)).clamp(max=1.0)
+        gain = float(c0.where(active, torch.zeros_like(c0)).sum())
         plain = rows / c.verify_time(1, batch)
         draft = (rows + gain) / (c.round_time(batch) + c.verify_time(2, batch))
         if draft >= plain:
@@ -163,7 +191,8 @@ class CostSchedule:
         """The rows that draft slot i, from their confidences `conf` [B] of slot i (read before x_i is drawn) and
         running survivals [B]; sets `halted` when drafting another depth cannot pay."""
         self.steps = i  # depth 0 comes with the round's drafting (draft_round); each later depth is one step
-        s = (survival * conf).where(drafting, torch.zeros_like(conf))
+        raw = (survival * conf).where(drafting, torch.zeros_like(conf))
+        s = (raw * self.ratio(i)).clamp(max=1.0)  # the calibrated survival of slot i
         order = [b for b in torch.argsort(s, descending=True, stable=True).tolist() if drafting[b] and s[b] > 0]
         rate = self.expected / self._cost(self.width, self.steps)
         wider = self._cost(self.width + 1, self.steps)
@@ -179,7 +208,7 @@ class CostSchedule:
             self.expected += best_gain
             self.width += 1
         # another depth: each admitted row's next slot survives with about its survival times its latest confidence
-        nxt = float((s * conf).where(admitted, torch.zeros_like(conf)).sum())
+        nxt = float((raw * conf * self.ratio(i + 1)).clamp(max=1.0).where(admitted, torch.zeros_like(conf)).sum())
         later = self._cost(self.width + 1, i + 1)
         self.halted = not best or (self.expected + nxt) / later < self.expected / self._cost(self.width, self.steps)
         return admitted

@@ -64,6 +64,29 @@ def test_rounds_without_drafting_back_off_and_probe_again():
     assert [i for i, d in enumerate(decisions) if d] == [5, 14]  # never more than max_backoff skipped in a row
 
 
+def test_the_schedule_corrects_overconfident_drafts_from_verified_rounds():
+    """Online calibration: a drafter that says 0.5 for slot 0 (where drafting pays: 0.5 >= 0.273) but has its drafts
+    accepted a tenth of the time stops being drafted once verification has shown it, and one that is right keeps
+    being drafted. Per depth, ratio = (accepted + prior) / (predicted survival + prior)."""
+    on, c = torch.tensor([True]), torch.tensor([0.5], dtype=torch.float64)
+    s = CostSchedule(TABLE)
+    assert s.ratio(0) == 1.0 and s.worth_drafting(c, on)  # nothing seen: the confidences as they are
+    for r in range(40):  # slot 0 at 0.5, slot 1 at 0.5 * 0.8; one round in ten accepts one draft
+        s.observe([[0.5, 0.8]], [1 if r % 10 == 0 else 0])
+    assert s.ratio(0) == pytest.approx((4 + 4) / (20 + 4)) and s.ratio(1) == pytest.approx(4 / (16 + 4))
+    assert s.ratio(5) == 1.0  # a depth never seen
+    s.reset()
+    assert not s.worth_drafting(c, on)  # 0.5 * 1/3 = 0.17 < 0.273
+    s.begin(on)
+    assert not s.admit(0, c, torch.ones(1, dtype=torch.float64), on).any()
+    right = CostSchedule(TABLE)
+    for r in range(40):
+        right.observe([[0.5]], [r % 2])
+    assert right.ratio(0) == 1.0 and right.worth_drafting(c, on)
+    right.begin(on)
+    assert right.admit(0, c, torch.ones(1, dtype=torch.float64), on).all()
+
+
 def test_pass_times_are_made_nondecreasing_in_the_width():
     """Timing noise that makes a wider pass look cheaper is pooled away (least squares); a monotone row is kept."""
     assert nondecreasing([58.0, 60.0, 65.0, 66.0, 60.0, 62.0]) == [58.0, 60.0, 63.25, 63.25, 63.25, 63.25]
@@ -152,5 +175,9 @@ def test_greedy_with_the_schedule_commits_the_targets_greedy_tokens(tiny64, rows
         drafted = [d for r in res for d, _ in r.rounds]
         if expect == "mixed":
             assert any(d > 0 for d in drafted)
+            # the engine reported every verified round to the schedule (its online calibration)
+            assert proposer.schedule.predicted[0] > 0 and proposer.schedule.accepted[0] == sum(
+                a > 0 for r in res for _, a in r.rounds
+            )
         else:  # a slot costs 4 more passes: the drafter is only probed, with backoff, and never pays
             assert all(d == 0 for d in drafted) and proposer.schedule.backoff > 1
