@@ -229,13 +229,19 @@ class Eagle3Drafter(DrafterBase):
 
     # ----------------------------------------------------------------------------------------- training
 
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, checkpoint: bool = False):
+    def forward(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, checkpoint: bool = False, heads_from: int = 0
+    ):
         """The training forward (what DDP / DeepSpeed wrap): the TTT unroll."""
-        return self.ttt_forward(aux, input_ids, steps, checkpoint)
+        return self.ttt_forward(aux, input_ids, steps, checkpoint, heads_from)
 
-    def ttt_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, checkpoint: bool = False):
-        """Unroll `steps` TTT steps. Returns, per step i, (logits [B,T,D], confidence logits [B,T]) where slot t
-        predicts token t+2+i from input token t+1+i; slots whose input token is past the end see token 0."""
+    def ttt_forward(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, checkpoint: bool = False, heads_from: int = 0
+    ):
+        """Unroll `steps` TTT steps. Returns, per step i, (logits [B,T',D], confidence logits [B,T']) of the slots
+        t = heads_from..T-1 (T' = T - heads_from), where slot t predicts token t+2+i from input token t+1+i; slots
+        whose input token is past the end see token 0. `heads_from` skips the vocabulary projection of slots no
+        loss reads (a prompt every row of the batch starts with); the layers still run over every slot."""
         B, T = input_ids.shape
         hidden = self.fc(aux.to(self.fc.weight.dtype))
         base = torch.arange(T, device=input_ids.device).unsqueeze(0)
@@ -254,7 +260,7 @@ class Eagle3Drafter(DrafterBase):
                 else:
                     h, kv = layer.ttt(h, embeds, cos, sin, pasts[li])
                 pasts[li].append(kv)
-            logits, conf = self.heads(h, tokens)
+            logits, conf = self.heads(h[:, heads_from:], tokens[:, heads_from:])
             outputs.append((logits, conf))
             hidden = h
         return outputs

@@ -7,7 +7,7 @@ ranks before dividing (per-step accuracy, expected acceptance, simulated accepta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 import torch
 from torch.nn import functional as F
@@ -43,6 +43,9 @@ class TrainBatch(TypedDict):
     """Record id of each sequence."""
     domains: list[str]
     """Domain label of each sequence."""
+    supervised_from: NotRequired[int]
+    """The first position whose loss mask is set in any row (T if none), computed where the batch is built, on the
+    host: the slots before it are prompt in every row, and EAGLE-3 skips their vocabulary projections. Absent: 0."""
     epoch: int
     """The epoch the batch is drawn in (0 for holdout and calibration batches). An objective that draws at random
     per batch (DSpark's anchors) seeds from (seed, epoch, sequence id): a new draw every epoch, and a resumed run
@@ -75,10 +78,13 @@ def eagle3_objective(
     input_ids = batch["input_ids"].to(device)
     loss_mask = (batch["loss_mask"].to(device) > 0) & batch["attention_mask"].to(device)
     draft_ids = draft_to_target_ids(inner.d2t)
-    teacher = teacher_from_final(batch["final"].to(device), head_weight, draft_ids, s.temperature)
-    outs = model(batch["aux"].to(device), input_ids, s.steps, s.checkpoint)
+    # slots before `lo` are supervised at no step: no teacher, logits or loss for them (the rows from lo on)
+    lo = heads_from(batch, s.steps)
+    teacher = teacher_from_final(batch["final"][:, lo:].to(device), head_weight, draft_ids, s.temperature)
+    outs = model(batch["aux"].to(device), input_ids, s.steps, s.checkpoint, lo)
+    loss_mask = loss_mask[:, lo:]
 
-    T = input_ids.shape[1]
+    T = input_ids.shape[1] - lo
     total = torch.zeros((), device=device)
     stats: dict[str, torch.Tensor] = {}
     alphas, valids = [], []
@@ -110,6 +116,22 @@ def eagle3_objective(
         stats["oov"] = (~teacher.ahead(1).in_vocab & start[:, : T - 1]).sum().float()
         stats["tokens"] = batch["attention_mask"].sum().float().to(device)
     return total, stats
+
+
+def heads_from(batch: TrainBatch, steps: int) -> int:
+    """The first slot some TTT step supervises: slot t at step i < steps predicts token t+2+i, so the slots before
+    `supervised_from` - steps - 1 never are. A host integer (no read of the device)."""
+    T = batch["input_ids"].shape[1]
+    return max(0, min(int(batch.get("supervised_from", 0)), T) - steps - 1)
+
+
+def supervised_from(loss_mask: torch.Tensor) -> int:
+    """`TrainBatch.supervised_from` of a [B, T] loss mask on the host (0 for a mask on a device: reading it would
+    wait for the device)."""
+    if loss_mask.device.type != "cpu":
+        return 0
+    first = loss_mask.bool().any(0).nonzero()
+    return int(first[0, 0]) if len(first) else loss_mask.shape[1]
 
 
 def summarize(stats: dict[str, float], steps: int) -> dict[str, float]:

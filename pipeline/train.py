@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from draftsmith.data.artifacts import atomic_write_text, write_manifest
 from draftsmith.data.feature_store import BatchLoader, FeatureStore
 from draftsmith.data.features import FeatureSource, OnlineFeatureSource, plan_batches, resolve_aux_ids
-from draftsmith.drafters.objectives import TrainBatch, summarize
+from draftsmith.drafters.objectives import TrainBatch, summarize, supervised_from
 from draftsmith.drafters.vocab import select_draft_vocab
 from draftsmith.pipeline.completion import Status, completion, payload_files, stage_inputs, write_progress
 from draftsmith.pipeline.config import RunConfig
@@ -325,7 +325,8 @@ class Trainer:
 
     def batch(self, indices: list[int], epoch: int) -> TrainBatch:
         """The micro-batch of these sequences, as every family's objective takes it."""
-        return {**self.source.load_batch(indices), "epoch": epoch}  # type: ignore[typeddict-item]
+        batch = self.source.load_batch(indices)
+        return {**batch, "supervised_from": supervised_from(batch["loss_mask"]), "epoch": epoch}  # type: ignore[typeddict-item]
 
     def _check_steps(self, batches: int) -> None:
         """Refuse an epoch whose batches cannot make one optimizer step (it would loop forever under max_steps,

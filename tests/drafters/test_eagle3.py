@@ -188,11 +188,11 @@ class _PerfectDrafter(torch.nn.Module):
         self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long))  # full draft vocabulary
         self.logp = teacher_logprobs
 
-    def forward(self, aux, input_ids, steps, checkpoint=False):
+    def forward(self, aux, input_ids, steps, checkpoint=False, heads_from=0):
         T = self.logp.shape[1]
         outs = []
         for i in range(steps):
-            shifted = torch.cat([self.logp[:, 1 + i :], self.logp[:, : 1 + i].flip(1)], dim=1)[:, :T]
+            shifted = torch.cat([self.logp[:, 1 + i :], self.logp[:, : 1 + i].flip(1)], dim=1)[:, heads_from:T]
             outs.append((shifted, torch.zeros(shifted.shape[:2], device=shifted.device)))
         return outs
 
@@ -222,6 +222,8 @@ def test_the_objectives_offsets_slot_t_at_step_i_predicts_token_t_plus_2_plus_i(
     model = _PerfectDrafter(teacher.probs.log(), V).to(test_device)
     s = ObjectiveSettings(steps=steps, temperature=1.0, confidence_weight=0.0)
     _, stats = eagle3_objective(model, batch, head, s)
+    _, trimmed = eagle3_objective(model, {**batch, "supervised_from": 2}, head, s)  # the slots from 0 on anyway
+    assert {k: float(v) for k, v in trimmed.items()} == {k: float(v) for k, v in stats.items()}
     for i in range(steps):
         expected_n = sum(int(loss_mask[b, t + 2 + i]) for b in range(B) for t in range(T - 2 - i))
         assert stats[f"n_{i}"] == expected_n, i
@@ -290,3 +292,53 @@ def test_rope_frequencies_move_to_the_device_once_and_stay_fp32(test_device, mon
     cos, sin = model._rope(positions, like)
     assert cos.dtype == torch.bfloat16
     assert not [a for a in copies if a and isinstance(a[0], torch.device)], copies  # only the dtype casts
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_skipping_the_prompts_vocabulary_projections_changes_nothing(temperature, test_device):
+    """With `supervised_from` (the first supervised position of the batch, set by the trainer), the slots that no
+    TTT step supervises get no logits (the drafter's lm_head sees T - heads_from rows), and the loss, every statistic
+    and every gradient are the same as computing them all. The boundary is tight: one slot fewer changes them."""
+    from draftsmith.drafters.objectives import ObjectiveSettings, eagle3_objective, heads_from, supervised_from
+
+    model = _drafter(device=test_device).train()
+    B, T, steps = 2, 20, 3
+    g = torch.Generator().manual_seed(5)
+    loss_mask = torch.zeros(B, T, dtype=torch.uint8)
+    loss_mask[0, 9:16] = 1
+    loss_mask[1, 11:20] = 1
+    batch = {
+        "input_ids": torch.randint(0, 97, (B, T), generator=g),
+        "loss_mask": loss_mask,
+        "attention_mask": torch.ones(B, T, dtype=torch.bool),
+        "aux": torch.randn(B, T, 3 * 24, generator=g, dtype=torch.float64),
+        "final": torch.randn(B, T, 32, generator=g, dtype=torch.float64),
+        "ids": ["a", "b"],
+        "domains": ["x", "x"],
+        "epoch": 0,
+    }
+    head = torch.randn(97, 32, generator=g, dtype=torch.float64).to(test_device)
+    s = ObjectiveSettings(steps=steps, temperature=temperature)
+    assert supervised_from(loss_mask) == 9 and heads_from({**batch, "supervised_from": 9}, steps) == 5
+    assert supervised_from(torch.zeros(B, T)) == T
+
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda m, a, out: rows.append(out.shape[1]))
+
+    def run(first):
+        model.zero_grad()
+        given = {**batch, "supervised_from": first} if first is not None else batch
+        loss, stats = eagle3_objective(model, given, head, s)
+        loss.backward()
+        return loss, stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    full, trimmed, over = run(None), run(9), run(10)  # 10: one slot past the tight boundary
+    hook.remove()
+    assert rows == [T] * steps + [T - 5] * steps + [T - 6] * steps
+    # the same sums over fewer zero terms: equal up to fp32 summation order (the losses are computed in fp32)
+    torch.testing.assert_close(trimmed[0], full[0], rtol=1e-6, atol=0)
+    for k in full[1]:
+        torch.testing.assert_close(trimmed[1][k], full[1][k], rtol=1e-6, atol=1e-6, msg=k)
+    for n in full[2]:
+        torch.testing.assert_close(trimmed[2][n], full[2][n], rtol=1e-5, atol=1e-7, msg=n)
+    assert float(over[1]["n_2"]) < float(full[1]["n_2"])  # slot 5 at step 2 predicts token 9, the first supervised
