@@ -318,15 +318,20 @@ class Trainer:
         """The training batches of `plan`, in order. Offline features are loaded a batch ahead on a thread (and on
         CUDA copied to the device from pinned memory) while the step computes; online ones when the step asks (the
         target runs in `load_batch`, in step with the other ranks' targets)."""
-        return BatchLoader(self.source.load_batch, plan, self.device, background=not self._online())
+        return BatchLoader(self.load_batch, plan, self.device, background=not self._online())
 
     def _online(self) -> bool:
         return isinstance(getattr(self.source, "source", self.source), OnlineFeatureSource)  # (through AuxSubset)
 
+    def load_batch(self, indices: list[int]) -> dict:
+        """The source's batch of these sequences, with `supervised_from` read from its loss mask while that is still
+        on the host (before a loader copies it to the device)."""
+        batch = self.source.load_batch(indices)
+        return {**batch, "supervised_from": supervised_from(batch["loss_mask"])}
+
     def batch(self, indices: list[int], epoch: int) -> TrainBatch:
         """The micro-batch of these sequences, as every family's objective takes it."""
-        batch = self.source.load_batch(indices)
-        return {**batch, "supervised_from": supervised_from(batch["loss_mask"]), "epoch": epoch}  # type: ignore[typeddict-item]
+        return {**self.load_batch(indices), "epoch": epoch}  # type: ignore[typeddict-item]
 
     def _check_steps(self, batches: int) -> None:
         """Refuse an epoch whose batches cannot make one optimizer step (it would loop forever under max_steps,

@@ -32,6 +32,9 @@ READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu
 """Tensor methods that copy device data to the host (a sync on a GPU)."""
 
 TORCH_DIR = str(Path(torch.__file__).parent)
+HOST_DATA = {"supervised_from"}
+"""Functions that read the batch as loaded, on the host, before it is copied to the device (not a sync on a GPU:
+`supervised_from` returns 0 for a tensor on a device without reading it, and CUDA's sync debug mode checks that)."""
 STEPS, ACCUMULATION = 3, 3
 
 
@@ -48,8 +51,8 @@ class HostReads:
         return sum(self.where.values())
 
     def record(self, frame) -> None:
-        if frame.f_code.co_filename.startswith(TORCH_DIR):
-            return  # torch's own bookkeeping (the optimizer's CPU step counters)
+        if frame.f_code.co_filename.startswith(TORCH_DIR) or frame.f_code.co_name in HOST_DATA:
+            return  # torch's own bookkeeping (the optimizer's CPU step counters), host data (HOST_DATA)
         self.where[f"{frame.f_code.co_filename}:{frame.f_lineno}"] += 1
 
     def patch(self, monkeypatch) -> None:
@@ -195,3 +198,22 @@ def test_the_counter_sees_a_read_per_micro_batch(workspace, tmp_path, monkeypatc
     trainer.family = dataclasses.replace(trainer.family, objective=reads_its_loss)
     reads = _count_step_reads(trainer, monkeypatch, test_device.type == "cuda")
     assert reads.count > 2 * STEPS and reads.count >= STEPS * ACCUMULATION, dict(reads.where)
+
+
+def test_training_batches_say_where_supervision_starts(workspace, tmp_path, monkeypatch):
+    """Every micro-batch the training loop hands the objective carries `supervised_from`, read from its loss mask on
+    the host by the loader (so EAGLE-3 skips the prompt's vocabulary projections in training, not only in holdout)."""
+    from draftsmith.drafters.objectives import supervised_from
+
+    trainer = _trainer(workspace, tmp_path, "eagle3")
+    real, seen = trainer.family.objective, []
+
+    def records(model, batch, *args, **kwargs):
+        seen.append((batch.get("supervised_from"), supervised_from(batch["loss_mask"].cpu())))
+        return real(model, batch, *args, **kwargs)
+
+    trainer.family = dataclasses.replace(trainer.family, objective=records)
+    trainer.train()
+    assert len(seen) >= STEPS * ACCUMULATION
+    assert all(given == want for given, want in seen), seen
+    assert any(want > 0 for _, want in seen)  # the chats start with a prompt: there is something to skip
