@@ -324,7 +324,7 @@ def flex_packed_attention(
     from torch.nn.attention.flex_attention import flex_attention
 
     keys, values = torch.cat([ctx_k, blk_k], dim=2), torch.cat([ctx_v, blk_v], dim=2)
-    attend = ttt_attention._compiled_flex() if compiled else flex_attention
+    attend = cast(Callable[..., Any], ttt_attention._compiled_flex() if compiled else flex_attention)
     groups = q.shape[1] // ctx_k.shape[1]
     out = attend(q, keys, values, block_mask=packed.block_mask(compiled), scale=scale, enable_gqa=groups > 1)
     assert isinstance(out, torch.Tensor)

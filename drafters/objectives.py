@@ -7,10 +7,11 @@ ranks before dividing (per-step accuracy, expected acceptance, simulated accepta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NotRequired, TypedDict
+from typing import TypedDict
 
 import torch
 from torch.nn import functional as F
+from typing_extensions import NotRequired  # typing's own from Python 3.11; the project supports 3.10
 
 from draftsmith.drafters.losses import (
     acceptance,

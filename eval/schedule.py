@@ -120,6 +120,7 @@ class CostSchedule:
     def __init__(self, costs: CostTable):
         self.costs = costs
         self.halted = False
+        self.backoff = 1
         # online calibration, per depth i: the predicted survival Σ c_0...c_i of the slots verified so far, and how
         # many of them were accepted (kept across decodes: only rounds already verified count, never this one's)
         self.predicted: list[float] = []
@@ -147,8 +148,10 @@ class CostSchedule:
         return (self.accepted[i] + self.prior) / (self.predicted[i] + self.prior)
 
     def reset(self) -> None:
-        """A new decode: no rounds skipped yet."""
-        self.skipped, self.backoff = 0, 1
+        """A new decode: no rounds skipped yet. The backoff is kept, like the online calibration: a drafter that did
+        not pay on the last prompts is probed as rarely on the next (each decode's first round is decided from its
+        calibrated prior, and a row whose drafts pay resets the backoff at once)."""
+        self.skipped = 0
 
     def worth_drafting(self, c0: torch.Tensor, active: torch.Tensor) -> bool:
         """Whether this round runs the drafter at all, from each row's first-slot confidence of the last round it

@@ -323,7 +323,7 @@ class Trainer:
     def _online(self) -> bool:
         return isinstance(getattr(self.source, "source", self.source), OnlineFeatureSource)  # (through AuxSubset)
 
-    def load_batch(self, indices: list[int]) -> dict:
+    def load_batch(self, indices: Sequence[int]) -> dict[str, Any]:
         """The source's batch of these sequences, with `supervised_from` read from its loss mask while that is still
         on the host (before a loader copies it to the device)."""
         batch = self.source.load_batch(indices)

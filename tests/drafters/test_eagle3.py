@@ -31,6 +31,22 @@ def _drafter(num_layers=1, norm_before_residual=False, dtype=torch.float64, seed
     return model.to(device)
 
 
+def _batch_and_head(loss_mask, g, device):
+    """A TrainBatch for `_drafter` (2 rows) around this loss mask, and a target head, drawn from `g` on the CPU."""
+    B, T = loss_mask.shape
+    batch = {
+        "input_ids": torch.randint(0, 97, (B, T), generator=g),
+        "loss_mask": loss_mask,
+        "attention_mask": torch.ones(B, T, dtype=torch.bool),
+        "aux": torch.randn(B, T, 3 * 24, generator=g, dtype=torch.float64),
+        "final": torch.randn(B, T, 32, generator=g, dtype=torch.float64),
+        "ids": ["a", "b"],
+        "domains": ["x", "x"],
+        "epoch": 0,
+    }
+    return batch, torch.randn(97, 32, generator=g, dtype=torch.float64).to(device)
+
+
 @pytest.mark.parametrize("impl", ["reference", "chunked", "auto"])
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])
 @pytest.mark.parametrize("variant", [dict(), dict(num_layers=2), dict(norm_before_residual=True)])
@@ -250,17 +266,7 @@ def test_calibration_data_is_what_the_objective_scores_per_chain(test_device):
     loss_mask[0, 3:9] = 1
     loss_mask[1, 5:14] = 1
     loss_mask[1, 9] = 0  # a hole: chains crossing it stop there
-    batch = {
-        "input_ids": torch.randint(0, 97, (B, T), generator=g),
-        "loss_mask": loss_mask,
-        "attention_mask": torch.ones(B, T, dtype=torch.bool),
-        "aux": torch.randn(B, T, 3 * 24, generator=g, dtype=torch.float64),
-        "final": torch.randn(B, T, 32, generator=g, dtype=torch.float64),
-        "ids": ["a", "b"],
-        "domains": ["x", "x"],
-        "epoch": 0,
-    }
-    head = torch.randn(97, 32, generator=g, dtype=torch.float64).to(test_device)
+    batch, head = _batch_and_head(loss_mask, g, test_device)
     s = ObjectiveSettings(steps=steps, temperature=1.0)
     with torch.no_grad():
         conf, alpha, valid = eagle3_calibration_data(model, batch, head, s)
@@ -307,17 +313,7 @@ def test_skipping_the_prompts_vocabulary_projections_changes_nothing(temperature
     loss_mask = torch.zeros(B, T, dtype=torch.uint8)
     loss_mask[0, 9:16] = 1
     loss_mask[1, 11:20] = 1
-    batch = {
-        "input_ids": torch.randint(0, 97, (B, T), generator=g),
-        "loss_mask": loss_mask,
-        "attention_mask": torch.ones(B, T, dtype=torch.bool),
-        "aux": torch.randn(B, T, 3 * 24, generator=g, dtype=torch.float64),
-        "final": torch.randn(B, T, 32, generator=g, dtype=torch.float64),
-        "ids": ["a", "b"],
-        "domains": ["x", "x"],
-        "epoch": 0,
-    }
-    head = torch.randn(97, 32, generator=g, dtype=torch.float64).to(test_device)
+    batch, head = _batch_and_head(loss_mask, g, test_device)
     s = ObjectiveSettings(steps=steps, temperature=temperature)
     assert supervised_from(loss_mask) == 9 and heads_from({**batch, "supervised_from": 9}, steps) == 5
     assert supervised_from(torch.zeros(B, T)) == T

@@ -59,9 +59,13 @@ def test_rounds_without_drafting_back_off_and_probe_again():
     decisions = [s.worth_drafting(low, on) for _ in range(40)]
     assert [i for i, d in enumerate(decisions) if d] == [5, 16, 37]  # after 5, then 10, then 20 skipped rounds
     s.max_backoff = 8
-    s.reset()
+    s.reset()  # a new decode keeps the backoff (20, capped at 8 from now on)
     decisions = [s.worth_drafting(low, on) for _ in range(20)]
-    assert [i for i, d in enumerate(decisions) if d] == [5, 14]  # never more than max_backoff skipped in a row
+    assert [i for i, d in enumerate(decisions) if d] == [8, 17]  # never more than max_backoff skipped in a row
+    s = CostSchedule(TABLE)
+    s.max_backoff = 8
+    decisions = [s.worth_drafting(low, on) for _ in range(20)]
+    assert [i for i, d in enumerate(decisions) if d] == [5, 14]
 
 
 def test_the_schedule_corrects_overconfident_drafts_from_verified_rounds():
