@@ -108,7 +108,8 @@ class TrainedProposer(NoDraft):
     schedule: CostSchedule | None = None
     """The cost-based admission rule (set by eval; None: the threshold rule, or fixed lengths)."""
     c0: torch.Tensor
-    """[B] each row's first-slot confidence of the last round it drafted (what the schedule predicts from)."""
+    """[B] each row's first-slot confidence of the last round it drafted (what the schedule predicts from; NaN for a
+    row that has not drafted yet)."""
 
     def __init__(self, drafter, confidence_threshold: float | None = None):
         self.drafter = drafter.eval()
@@ -153,8 +154,9 @@ class TrainedProposer(NoDraft):
         return drafting & (survival * conf >= self.threshold)
 
     def _reset_schedule(self, rows: int) -> None:
-        """A new decode of `rows` rows: no first-slot confidence seen yet (taken as 1: the first round drafts)."""
-        self.c0 = torch.ones(rows, dtype=torch.float64)
+        """A new decode of `rows` rows: no first-slot confidence seen yet (NaN: the schedule predicts a new row's
+        first slot from the first slots verified so far, `CostSchedule.first_slot_rate`)."""
+        self.c0 = torch.full((rows,), float("nan"), dtype=torch.float64)
         if self.schedule is not None:
             self.schedule.reset()
 
@@ -180,7 +182,7 @@ class TrainedProposer(NoDraft):
         qs, x = [], None
         seen = getattr(self, "c0", None)
         if seen is None or seen.shape[0] != B:  # a chain drafted without `start`
-            self.c0 = torch.ones(B, dtype=torch.float64)
+            self.c0 = torch.full((B,), float("nan"), dtype=torch.float64)
         if self.schedule is not None:
             self.schedule.begin(drafting)
         for i in range(k):
@@ -227,10 +229,12 @@ class Eagle3Proposer(TrainedProposer):
         for b, p in enumerate(prompts):
             nxt[b, P - len(p) :] = torch.tensor(list(p[1:]) + [firsts[b]])
         positions = (valid.long().cumsum(1) - 1).clamp_min(0)
-        logits, conf, h = self._extend(feats, nxt, valid, positions)
         self.pos = torch.tensor([len(p) for p in prompts])  # next step-0 position per row
-        self.last = (logits[:, -1], conf[:, -1], h[:, -1:])
-        self.pending: list[tuple[torch.Tensor, ...]] = []
+        # the prompts reach the drafter when it first drafts (`_sync`): a decode the schedule never drafts in costs
+        # it nothing, not even this prefill; without a schedule, at once
+        self.pending: list[tuple[torch.Tensor, ...]] = [(feats, nxt, valid, positions)]
+        if self.schedule is None:
+            self._sync()
         self._reset_schedule(B)
 
     def _sync(self) -> None:
@@ -280,6 +284,7 @@ class Eagle3Proposer(TrainedProposer):
         cumulative draft log-probability) expanded at each depth, then the best `total` nodes kept."""
         if self.key_mask.shape[0] != 1:
             raise ValueError("tree drafting decodes one prompt at a time")
+        self._sync()
         self.round_start = self.key_mask.shape[1]
         tree = Tree()
         logits, _, h_root = self.last
@@ -368,10 +373,12 @@ class DSparkProposer(TrainedProposer):
         """The prompts' (left-padded) positions become context; each row's anchor is its first token."""
         self.cache = self.drafter.new_cache()
         self.key_mask = torch.zeros(valid.shape[0], 0, dtype=torch.bool, device=self.device)
-        self._extend(feats, valid, (valid.long().cumsum(1) - 1).clamp_min(0))
         self.pos = torch.tensor([len(p) for p in prompts])  # anchor position per row
         self.anchor = torch.tensor(list(firsts))
-        self.pending: list[tuple[torch.Tensor, ...]] = []
+        # projected when the drafter first drafts (`_sync`), as EAGLE-3's prompt is; without a schedule, at once
+        self.pending: list[tuple[torch.Tensor, ...]] = [(feats, valid, (valid.long().cumsum(1) - 1).clamp_min(0))]
+        if self.schedule is None:
+            self._sync()
         self._reset_schedule(valid.shape[0])
 
     def _sync(self) -> None:

@@ -125,6 +125,7 @@ class CostSchedule:
         # many of them were accepted (kept across decodes: only rounds already verified count, never this one's)
         self.predicted: list[float] = []
         self.accepted: list[float] = []
+        self.verified: list[float] = []  # how many slots of depth i were verified
         self.reset()
 
     def observe(self, confidences: list[list[float]], accepted: list[int]) -> None:
@@ -135,9 +136,11 @@ class CostSchedule:
                 if i == len(self.predicted):
                     self.predicted.append(0.0)
                     self.accepted.append(0.0)
+                    self.verified.append(0.0)
                 survival *= c
                 self.predicted[i] += survival
                 self.accepted[i] += float(n > i)
+                self.verified[i] += 1.0
 
     def ratio(self, i: int) -> float:
         """What depth i's predicted survivals are multiplied by: accepted / predicted so far, shrunk toward 1 by
@@ -147,6 +150,14 @@ class CostSchedule:
             return 1.0
         return (self.accepted[i] + self.prior) / (self.predicted[i] + self.prior)
 
+    def first_slot_rate(self) -> float:
+        """The chance that a first draft is accepted, for a row that has not drafted yet (a new decode): the share
+        of first slots accepted so far, shrunk toward 1 by `prior` (1 before any: the first round drafts, to learn).
+        Taken rather than the row's first confidence calibrated, which does not exist before its first round."""
+        if not self.verified:
+            return 1.0
+        return (self.accepted[0] + self.prior) / (self.verified[0] + self.prior)
+
     def reset(self) -> None:
         """A new decode: no rounds skipped yet. The backoff is kept, like the online calibration: a drafter that did
         not pay on the last prompts is probed as rarely on the next (each decode's first round is decided from its
@@ -155,13 +166,14 @@ class CostSchedule:
 
     def worth_drafting(self, c0: torch.Tensor, active: torch.Tensor) -> bool:
         """Whether this round runs the drafter at all, from each row's first-slot confidence of the last round it
-        drafted (`c0` [B]; 1 before any): drafting pays when the rows' predicted first slots raise the rate above a
+        drafted (`c0` [B]; NaN before any: `first_slot_rate` then): drafting pays when the rows' predicted first slots raise the rate above a
         plain step's. A round that does not draft skips all drafter work; after `backoff` such rounds the drafter is
         asked again (doubling while it keeps not paying, up to `max_backoff`), so a row whose text turns
         predictable is noticed."""
         batch, rows = int(active.shape[0]), int(active.sum())
         c = self.costs
         c0 = (c0.double() * self.ratio(0)).clamp(max=1.0)
+        c0 = c0.nan_to_num(nan=self.first_slot_rate())
         gain = float(c0.where(active, torch.zeros_like(c0)).sum())
         plain = rows / c.verify_time(1, batch)
         draft = (rows + gain) / (c.round_time(batch) + c.verify_time(2, batch))

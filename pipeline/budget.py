@@ -82,6 +82,37 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _extra_step_seconds(long, short, extra: int, device: torch.device, repeats: int) -> float:
+    """Seconds per step of the `extra` steps `long()` runs beyond `short()`: the median of `repeats` differences of
+    a long and a short call timed back to back (after one untimed call of each), so that a change in the machine's
+    speed between them reaches both alike. A difference of two timings can still come out at or below zero on a
+    busy machine (one demo measured -108 ms per generated token and planned a negative generate stage and a
+    train stage of 65 minutes); then the pairs are timed again, twice as many, and if no positive median comes
+    out, the long call per step (an upper bound: it includes the short call's fixed work) is used instead."""
+    long(), short()
+    for attempt in range(3):
+        diffs, longs = [], []
+        for _ in range(repeats * 2**attempt):
+            t = []
+            for fn in (long, short):
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                t.append(time.perf_counter() - t0)
+            diffs.append((t[0] - t[1]) / extra)
+            longs.append(t[0])
+        if statistics.median(diffs) > 0:
+            return statistics.median(diffs)
+    log.warning(
+        "budget: the generation probe's extra steps measured no time (median %.1f ms per step over %d pairs: the "
+        "machine is busy); taking the long call per step instead",
+        1e3 * statistics.median(diffs),
+        len(diffs),
+    )
+    return statistics.median(longs) / extra
+
+
 def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repeats: int = 3, steps: int = 6) -> Probes:
     """The probes on the target `model`, which took `load` seconds to load (see `Probes`)."""
     from draftsmith.eval.runner import HFTarget
@@ -109,7 +140,7 @@ def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repea
                 pad_token_id=pad,
             )
 
-        gen_step = (_timed(generate(2 + steps), device, repeats) - _timed(generate(2), device, repeats)) / steps
+        gen_step = _extra_step_seconds(generate(2 + steps), generate(2), steps, device, repeats)
         prompt = tokens(2, 256)
         prefill = _timed(lambda: model(input_ids=prompt, use_cache=False), device, repeats)
         # eval's passes: one token (plain decoding, and the drafters' prefill of verified tokens) and 1+5 tokens (a
@@ -206,6 +237,9 @@ def choose_sizes(cfg: RunConfig, probes: Probes, spent: float = 0.0) -> Plan:
     x (its probe here / its probe there) x (its size here / its size there)."""
     b, ref = cfg.budget, cfg.budget.reference
     assert b.minutes is not None and ref is not None  # the config refuses minutes without a reference
+    bad = {k: v for k, v in asdict(probes).items() if not v > 0 and k != "load"}
+    if bad:  # a stage time scaled by a probe at or below zero would be negative, and the sizes nonsense
+        raise StageError(f"budget: the probes measured no time for {bad} (seconds); run again on a quieter machine")
     loads = target_loads(cfg)
     # per stage: seconds that do not scale, and the scaling part at the reference sizes, here
     fixed: dict[BudgetStage, float] = {}

@@ -185,3 +185,40 @@ def test_greedy_with_the_schedule_commits_the_targets_greedy_tokens(tiny64, rows
             )
         else:  # a slot costs 4 more passes: the drafter is only probed, with backoff, and never pays
             assert all(d == 0 for d in drafted) and proposer.schedule.backoff > 1
+
+
+def test_a_new_decode_predicts_its_first_slot_from_the_first_slots_verified_so_far():
+    """A row that has not drafted yet (c0 NaN) is predicted at the share of first slots accepted so far (shrunk
+    toward 1 by the prior), not at a confidence of 1: with first slots accepted 15% of the time (and a drafter that
+    said 0.2, so calibration alone maps 1 to 0.79), a new decode's first round is a plain step under TABLE (slot 0
+    pays from 0.273)."""
+    new, on = torch.tensor([float("nan")], dtype=torch.float64), torch.tensor([True])
+    s = CostSchedule(TABLE)
+    assert s.first_slot_rate() == 1.0 and s.worth_drafting(new, on)  # nothing seen yet: draft, to learn
+    for r in range(100):
+        s.observe([[0.2]], [1 if r % 20 < 3 else 0])
+    assert s.first_slot_rate() == pytest.approx((15 + 4) / (100 + 4))
+    s.reset()
+    assert not s.worth_drafting(new, on)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dspark"])
+def test_a_decode_the_schedule_never_drafts_in_costs_the_drafter_nothing(tiny64, family):
+    """Where the schedule skips every round (a slot costs 4 more passes, a probe waits the most rounds allowed),
+    the drafter runs no forward at all in the decode, not even over the prompt: its time is plain decoding's. The
+    tokens are still the target's greedy ones."""
+    from tests.eval.test_dspark_exactness import _dspark_for
+
+    drafter = _eagle3(tiny64) if family == "eagle3" else _dspark_for(tiny64)
+    calls = []
+    for name in ("decode", "extend_context", "draft_block"):
+        if hasattr(drafter, name):
+            fn = getattr(drafter, name)
+            setattr(drafter, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    proposer = Eagle3Proposer(drafter) if family == "eagle3" else DSparkProposer(drafter)
+    never = CostTable({1: {1: 1.0, 2: 5.0}}, {1: 0.1}, {1: 10.0})  # a probe would wait max_backoff rounds
+    proposer.schedule = CostSchedule(never)  # even a sure first slot would not pay: (1 + 1) / (10 + 5) < 1 / 1
+    prompt = [5, 17, 33, 9]
+    res = decode(HFTarget(tiny64, drafter.config.aux_layer_ids), proposer, [prompt], SamplingParams(), 3, 20)
+    assert res[0].tokens == plain_greedy(tiny64, prompt, 20)
+    assert all(d == 0 for d, _ in res[0].rounds) and calls == []

@@ -5,10 +5,12 @@ predicted ones."""
 import json
 
 import pytest
+import torch
 
 from draftsmith.pipeline.budget import Probes, choose_sizes, measure_probes
 from draftsmith.pipeline.cli import main
 from draftsmith.pipeline.config import ConfigError, load_config
+from draftsmith.pipeline.errors import StageError
 
 REFERENCE = (
     "budget.reference={seconds: {generate: 300, collect: 60, train: 600, eval: 400, export: 5}, "
@@ -143,3 +145,44 @@ budget:
     assert main(["run", str(recipe), f"run_dir={run}"]) == 0
     again = json.loads((run / "budget.json").read_text())
     assert again["probes"] == record["probes"] and again["chosen"] == record["chosen"]
+
+
+def test_a_probe_that_measured_no_time_is_refused_not_planned_with():
+    """A negative generation probe (a noisy difference of two timings) once planned a negative generate stage and
+    a 65-minute train stage for a 25-minute budget; now the sizing refuses it by name."""
+    with pytest.raises(StageError, match="gen_step"):
+        choose_sizes(_cfg(25), Probes(gen_step=-0.108, prefill=0.2, decode=0.03, train_step=0.5, load=0.0))
+
+
+class _Clock:
+    """A fake perf_counter: each call of a timed function advances it by the next scripted duration."""
+
+    def __init__(self, durations):
+        self.now, self.durations = 0.0, list(durations)
+
+    def perf_counter(self):
+        return self.now
+
+    def run(self):
+        self.now += self.durations.pop(0)
+
+
+def test_the_generation_probe_times_long_and_short_calls_in_pairs_and_retries_a_nonpositive_median(monkeypatch):
+    import types
+
+    from draftsmith.pipeline import budget
+
+    def probe(durations, repeats=3):
+        clock = _Clock(durations)
+        monkeypatch.setattr(budget, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+        seconds = budget._extra_step_seconds(clock.run, clock.run, 6, torch.device("cpu"), repeats)
+        return seconds, clock.durations
+
+    # warm-up pair, then (long, short) pairs: 0.6 s more for 6 steps = 0.1 s per step; every duration consumed
+    assert probe([9, 9] + [1.0, 0.4] * 3) == (pytest.approx(0.1), [])
+    # the first three pairs say the long call was faster (a busy moment): timed again with six pairs
+    busy = [9, 9] + [0.4, 1.0] * 3 + [1.0, 0.4] * 6
+    assert probe(busy) == (pytest.approx(0.1), [])
+    # never positive: the long call per step (0.4 / 6), never a negative figure
+    hopeless = [9, 9] + [0.4, 1.0] * (3 + 6 + 12)
+    assert probe(hopeless) == (pytest.approx(0.4 / 6), [])
