@@ -169,7 +169,7 @@ class TrainedProposer(NoDraft):
         schedule from the rows' first-slot confidences of earlier rounds: never from this round's drafts."""
         if self.schedule is None:
             return False
-        return not self.schedule.worth_drafting(self.c0, torch.tensor(list(active), dtype=torch.bool))
+        return not self.schedule.worth_drafting(self.c0, active)
 
     def _chain(self, k: int, active, params, generators, step) -> Proposal:
         """Draft up to k positions per active row. `step(i, tokens)` gives (draft-vocab logits [B, D], confidence
@@ -330,18 +330,23 @@ class Eagle3Proposer(TrainedProposer):
     def commit(self, drafts, accepted, news, feats):
         """feats [B, n, F]: target features of this round's verified slots; row b's first 1 + accepted[b] are its
         verified ones (the last committed token, then its accepted drafts), after which row b drafts from `news`."""
-        self.cache.crop(self.round_start)  # drop the entries of this round's drafting steps
-        self.key_mask = self.key_mask[:, : self.round_start]
+        if self.key_mask.shape[1] > self.round_start:  # the round drafted: drop its drafting steps' entries
+            self.cache.crop(self.round_start)
+            self.key_mask = self.key_mask[:, : self.round_start]
         k1 = max(accepted) + 1  # slots past every row's accepted ones would be holes everywhere
-        B = feats.shape[0]
-        toks = torch.zeros(B, k1, dtype=torch.long)
-        valid = torch.zeros(B, k1, dtype=torch.bool)
-        for b in range(B):
-            n = accepted[b]
-            toks[b, : n + 1] = torch.tensor(list(drafts[b][:n]) + [news[b]])
-            valid[b, : n + 1] = True
         positions = self.pos[:, None] + torch.arange(k1)[None, :]
-        self.pos += torch.tensor(list(accepted)) + 1
+        if k1 == 1:  # nothing accepted (every round the schedule skips): each row's one verified slot, built at once
+            toks, valid = torch.tensor(list(news))[:, None], torch.ones(len(news), 1, dtype=torch.bool)
+            self.pos += 1
+        else:
+            B = feats.shape[0]
+            toks = torch.zeros(B, k1, dtype=torch.long)
+            valid = torch.zeros(B, k1, dtype=torch.bool)
+            for b in range(B):
+                n = accepted[b]
+                toks[b, : n + 1] = torch.tensor(list(drafts[b][:n]) + [news[b]])
+                valid[b, : n + 1] = True
+            self.pos += torch.tensor(list(accepted)) + 1
         # With a schedule the drafter sees the verified slots when it next drafts (`_sync`): a round that drafts
         # nothing costs it nothing. Without one, at once (the same cache either way).
         self.pending.append((feats[:, :k1].to(self.device), toks, valid, positions))

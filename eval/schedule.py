@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,9 @@ class CostTable:
     key: dict[str, str] = field(default_factory=dict)
     """What it was measured for (target, dtype, device, drafter)."""
 
+    def __post_init__(self) -> None:
+        self._memo: dict[tuple[int, int], float] = {}  # (width, batch) -> verify_time; not a field: never saved
+
     def _at(self, table: dict[int, float], batch: int) -> float:
         """Linear in the batch size between the measured ones (held flat outside them)."""
         sizes = sorted(table)
@@ -64,8 +68,10 @@ class CostTable:
         return table[lo] + (table[hi] - table[lo]) * (batch - lo) / (hi - lo)
 
     def verify_time(self, width: int, batch: int) -> float:
-        by_batch = {b: _width(row, width) for b, row in self.verify.items()}
-        return self._at(by_batch, batch)
+        # asked every round with the same few (width, batch): remembered, so a round that drafts nothing stays cheap
+        if (width, batch) not in self._memo:
+            self._memo[width, batch] = self._at({b: _width(row, width) for b, row in self.verify.items()}, batch)
+        return self._memo[width, batch]
 
     def step_time(self, batch: int) -> float:
         return self._at(self.draft_step, batch) if self.draft_step else 0.0
@@ -164,24 +170,39 @@ class CostSchedule:
         calibrated prior, and a row whose drafts pay resets the backoff at once)."""
         self.skipped = 0
 
-    def worth_drafting(self, c0: torch.Tensor, active: torch.Tensor) -> bool:
+    def worth_drafting(self, c0: torch.Tensor, active: torch.Tensor | Sequence[bool]) -> bool:
         """Whether this round runs the drafter at all, from each row's first-slot confidence of the last round it
-        drafted (`c0` [B]; NaN before any: `first_slot_rate` then): drafting pays when the rows' predicted first slots raise the rate above a
-        plain step's. A round that does not draft skips all drafter work; after `backoff` such rounds the drafter is
-        asked again (doubling while it keeps not paying, up to `max_backoff`), so a row whose text turns
-        predictable is noticed."""
-        batch, rows = int(active.shape[0]), int(active.sum())
-        c = self.costs
-        c0 = (c0.double() * self.ratio(0)).clamp(max=1.0)
-        c0 = c0.nan_to_num(nan=self.first_slot_rate())
-        gain = float(c0.where(active, torch.zeros_like(c0)).sum())
-        plain = rows / c.verify_time(1, batch)
-        draft = (rows + gain) / (c.round_time(batch) + c.verify_time(2, batch))
-        if draft >= plain:
-            self.skipped, self.backoff = 0, 1
+        drafted (`c0` [B]; NaN before any: `first_slot_rate` then): drafting pays when the rows' predicted first
+        slots raise the rate above a plain step's. A round that does not draft skips all drafter work; after
+        `backoff` such rounds the drafter is asked again (doubling while it keeps not paying, up to `max_backoff`),
+        so a row whose text turns predictable is noticed. Only the rows' own confidences reset the backoff: a new
+        decode drafted on the pooled `first_slot_rate` does not, so a drafter that stopped paying on the last prompts
+        is not probed from scratch on every new one.
+
+        Runs every round, drafted or not, so it is plain Python over at most a few numbers per row: a skipped round
+        should cost what a plain step costs."""
+        rows = [bool(a) for a in (active.tolist() if isinstance(active, torch.Tensor) else active)]
+        batch, n = len(rows), sum(rows)
+        ratio, pooled = self.ratio(0), None
+        seen = new = 0.0
+        for c, a in zip(c0.tolist(), rows):
+            if not a:
+                continue
+            if math.isnan(c):
+                pooled = self.first_slot_rate() if pooled is None else pooled
+                new += pooled
+            else:
+                seen += min(c * ratio, 1.0)
+        plain_step, probe = self.costs.verify_time(1, batch), self.costs.round_time(batch)
+        plain = n / plain_step
+        pass_cost = probe + self.costs.verify_time(2, batch)
+        if (n + seen + new) / pass_cost >= plain:
+            if (n + seen) / pass_cost >= plain:  # the rows' own confidences say it pays: no backoff
+                self.backoff = 1
+            self.skipped = 0
             return True
         # a probe costs a draft round: wait until the rounds skipped since the last one make it a small share
-        floor = math.ceil(c.round_time(batch) / (self.probe_share * c.verify_time(1, batch)))
+        floor = math.ceil(probe / (self.probe_share * plain_step))
         self.backoff = min(max(self.backoff, floor), self.max_backoff)
         if self.skipped >= self.backoff:  # probe, after `backoff` skipped rounds: decided by that count alone
             self.skipped, self.backoff = 0, min(2 * self.backoff, self.max_backoff)

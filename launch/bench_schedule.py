@@ -5,10 +5,11 @@ against batch size (the batch curve).
     python launch/bench_schedule.py runs/demo/config.yaml [--per-domain 2] [--repeats 1] [--max-new-tokens 64]
         [--temperatures 0,1] [--batches 1,4,16,64] [--curve-temperatures 0] [--threshold 0.5] [--out DIR]
 
-Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding and then by
-every (drafter, schedule), one right after the other, `--repeats` times; a domain's tokens/s is its tokens over its
-wall time. The batch curve is eval's own (eval.batch_curve, `eval.curve`). The cost tables are measured first (cached
-like eval's, per run and batch sizes). Prints the per-domain tables, the cost tables and the curve as Markdown,
+Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding, then by
+every (drafter, schedule), then by plain decoding again (the A/A column: the noise of a ratio measured this way), one
+right after the other, `--repeats` times; a domain's tokens/s is its tokens over its wall time. The batch curve is
+eval's own (eval.batch_curve, `eval.curve`). The cost tables are measured first (cached like eval's, per run and
+batch sizes). Prints the per-domain tables, the cost tables and the curve as Markdown,
 and writes OUT/bench_schedule.json and OUT/batch_curve.png.
 """
 
@@ -19,6 +20,9 @@ import json
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
+
+AGAIN = "none/again"
+"""Plain decoding run a second time, after every other configuration of the prompt (an A/A comparison)."""
 
 
 def main() -> None:
@@ -72,6 +76,8 @@ def main() -> None:
         proposers[family] = get_family(family).proposer(d, cfg.eval)
         for mode in schedules:
             proposers[f"{family}/{mode}"] = get_family(family).proposer(d, cfg.eval)
+    # plain decoding again, last: its "speedup" over the first plain run is the noise of a ratio measured this way
+    proposers[AGAIN] = NoDraft()
     decoder = Decoder(
         runners={n: HFTarget(model, p.aux_ids, tok.pad_token_id) for n, p in proposers.items()},
         proposers=proposers,
@@ -115,7 +121,7 @@ def main() -> None:
         decoder.run(prompts[:1], name, SamplingParams(), 8)
 
     record: dict = {"settings": vars(args) | {"out": str(out)}, "per_domain": [], "batch_curve": []}
-    names = ["none"] + [f"{f}/{m}" for f in families for m in schedules]
+    names = ["none"] + [f"{f}/{m}" for f in families for m in schedules] + [AGAIN]
     for temperature in floats(args.temperatures):
         params = SamplingParams(temperature, cfg.eval.top_p, cfg.eval.top_k)
         by: dict = defaultdict(lambda: defaultdict(list))
@@ -147,8 +153,9 @@ def main() -> None:
 
 
 def _domain_markdown(run: dict, families: list[str]) -> str:
-    """Per domain: plain tok/s, then each drafter's speedup (τ) under each schedule; the last row is all domains."""
-    cols = [f"{f}/{m}" for f in families for m in ("fixed", "threshold", "cost")]
+    """Per domain: plain tok/s, then each drafter's speedup (τ) under each schedule, then plain decoding run again
+    (the A/A ratio: how far from 1.00x noise alone moves a ratio); the last row is all domains."""
+    cols = [f"{f}/{m}" for f in families for m in ("fixed", "threshold", "cost")] + [AGAIN]
     lines = [
         f"### T = {run['temperature']}, batch 1: speedup over plain decoding (τ)",
         "| domain | prompts | plain tok/s | " + " | ".join(cols) + " |",

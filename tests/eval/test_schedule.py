@@ -68,6 +68,23 @@ def test_rounds_without_drafting_back_off_and_probe_again():
     assert [i for i, d in enumerate(decisions) if d] == [5, 14]
 
 
+def test_a_new_decode_drafted_on_the_pooled_first_slot_rate_keeps_the_backoff():
+    """A new decode's rows have no confidence yet, so its first round may draft on `first_slot_rate` alone; that does
+    not reset the backoff a drafter which stopped paying earned on the last prompts (only a row's own confidence
+    saying it pays does): its next probe waits as long as it would have, rather than n, 2n, ... from scratch."""
+    low, new = (torch.tensor([x], dtype=torch.float64) for x in (0.01, float("nan")))
+    on = torch.tensor([True])
+    s = CostSchedule(TABLE)  # n = 5 (a draft round costs 10% of a plain step)
+    decisions = [s.worth_drafting(low, on) for _ in range(40)]
+    assert [i for i, d in enumerate(decisions) if d] == [5, 16, 37] and s.backoff == 40
+    s.reset()
+    assert s.worth_drafting(new, on)  # nothing verified yet: the pooled rate is 1, the first round drafts
+    assert s.backoff == 40
+    decisions = [s.worth_drafting(low, on) for _ in range(45)]
+    assert [i for i, d in enumerate(decisions) if d] == [40]
+    assert s.worth_drafting(torch.tensor([0.9], dtype=torch.float64), on) and s.backoff == 1  # its own: reset
+
+
 def test_the_schedule_corrects_overconfident_drafts_from_verified_rounds():
     """Online calibration: a drafter that says 0.5 for slot 0 (where drafting pays: 0.5 >= 0.273) but has its drafts
     accepted a tenth of the time stops being drafted once verification has shown it, and one that is right keeps
