@@ -1,7 +1,8 @@
 """Measuring the cost table (eval.schedule.CostTable) on the machine at hand, through the decoding engine itself.
 
 For each batch size, the engine decodes a batch of real prompts greedily with a fixed chain length γ = 0 (plain
-decoding) ... γmax and a fixed number of rounds, three times in turn (the median is kept); the engine's own timers give each
+decoding) ... γmax for a fixed number of rounds (`rounds` for every γ, however many drafts are accepted: a weak
+drafter does not make the table take longer), three times in turn (the median is kept); the engine's own timers give each
 round's verification time (one target pass `γ + 1` slots wide, with the acceptance rule) and drafting time. Drafting time per round is fitted as
 `round + (γ − 1) · step` (least squares over γ = 1 ... γmax), and the pass times made nondecreasing in the width: `round` is what a round costs whatever it drafts (the
 drafter's update with the verified tokens and its first position or block), `step` each further position. Timing
@@ -23,7 +24,7 @@ from draftsmith.eval.proposers import NoDraft
 from draftsmith.eval.sampling import SamplingParams
 from draftsmith.eval.schedule import CostTable
 
-METHOD = 2
+METHOD = 3
 """The version of how tables are measured, part of the cache key: a table measured another way is measured again."""
 
 
@@ -69,7 +70,7 @@ def measure_costs(
     prompts: Sequence[Sequence[int]],
     batches: Sequence[int],
     gamma_max: int,
-    rounds: int = 6,
+    rounds: int = 16,
     key: dict[str, str] | None = None,
     repeats: int = 3,
 ) -> CostTable:
@@ -84,11 +85,12 @@ def measure_costs(
         for batch in batches:
             rows = [list(prompts[i % len(prompts)]) for i in range(batch)]
             decode(runner, proposer, rows, greedy, 1, 3)  # untimed: allocations and kernel choice for this shape
-            # γ = 0 is plain decoding: a pass one slot wide, nothing drafted
-            runs = {0: partial(decode, runner, NoDraft(), rows, greedy, 1, rounds + 1)}
+            # γ = 0 is plain decoding: a pass one slot wide, nothing drafted. Every γ runs exactly `rounds` rounds:
+            # room for every draft accepted, and a stop after `rounds` however few are
+            runs = {0: partial(decode, runner, NoDraft(), rows, greedy, 1, rounds + 1, max_rounds=rounds)}
             for gamma in range(1, gamma_max + 1):
-                # at least `rounds` rounds per row even when every draft is accepted
-                runs[gamma] = partial(decode, runner, proposer, rows, greedy, gamma, (rounds + 1) * (gamma + 1))
+                n_tokens = (rounds + 1) * (gamma + 1)
+                runs[gamma] = partial(decode, runner, proposer, rows, greedy, gamma, n_tokens, max_rounds=rounds)
             timed = _timed(runs, repeats)
             widths = nondecreasing([timed[g][0] for g in sorted(timed)])
             verify[batch] = {g + 1: w for g, w in zip(sorted(timed), widths)}

@@ -72,6 +72,7 @@ def decode(
     tree: TreeSpec | None = None,
     verify: Callable = sampling_verify,
     tree_verify: Callable = sampling_tree_verify,
+    max_rounds: int | None = None,
 ) -> list[DecodeResult]:
     """Speculative decoding of a batch of prompts, one result per prompt.
 
@@ -79,7 +80,8 @@ def decode(
     `eval.proposers`; `gamma` the chain length. `generators` has one generator per row, on the target's device
     (needed when sampling): row b draws only from its own, so its output does not depend on the batch it is in.
     With `tree` (one prompt, a proposer with `propose_tree`), each round drafts a token tree and verifies it in one
-    pass. `verify` / `tree_verify` are the sampling rules (swappable for tests)."""
+    pass. `verify` / `tree_verify` are the sampling rules (swappable for tests). `max_rounds` ends every row after that
+    many verification rounds, whatever it has committed (a timing run: `eval.costs`)."""
     B = len(prompts)
     gens = list(generators) if generators is not None else [None] * B
     if len(gens) != B:
@@ -99,7 +101,9 @@ def decode(
     history = [list(p) + [f] for p, f in zip(prompts, firsts)]
     active = [len(r.tokens) < max_new_tokens and r.tokens[-1] not in stops for r in results]
     proposer.start(prompts, firsts, feats, valid)
-    while any(active):
+    rounds = 0
+    while any(active) and (max_rounds is None or rounds < max_rounds):
+        rounds += 1
         t0 = clock(device)
         if tree is not None:
             proposal = proposer.propose_tree(tree.depth, tree.top_k, tree.total)

@@ -425,8 +425,10 @@ class EvalConfig(Section):
     (confidence_threshold), `cost` (admit a slot only while it raises the expected tokens per second, from the
     drafter's confidences and a cost table measured at the start of eval). `auto`: threshold when
     confidence_threshold is set, else cost."""
-    cost_rounds: int = Field(6, ge=2)
-    """Decoding rounds timed per (batch size, chain length) when measuring the cost table."""
+    cost_rounds: int = Field(16, ge=2)
+    """Decoding rounds timed per (batch size, chain length) when measuring the cost table (each of three runs; the
+    median is kept). A one-token pass differs from a two-token one by a few percent at batch 1 on a CPU, so fewer
+    rounds leave that difference, which decides whether a first slot pays, inside the timing noise."""
     prompt_lookup_max_ngram: int = Field(3, ge=1)
     """Longest n-gram the prompt-lookup baseline matches."""
     seed: int = 0
