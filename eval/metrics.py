@@ -1,9 +1,12 @@
-"""Acceptance metrics from per-round logs: τ, per-position acceptance, survival, calibration (ECE)."""
+"""Acceptance metrics from per-round logs: τ, per-position acceptance, survival, calibration (ECE); and, where a
+greedy output departs from plain decoding's, by how much the target preferred plain decoding's token there."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from draftsmith.eval.engine import DecodeResult
 
@@ -80,3 +83,19 @@ def calibration(results: Sequence[DecodeResult], bins: int = 10) -> dict[str, An
         "survival_reliability": stable,
         "positions": len(pos_pairs),
     }
+
+
+@torch.no_grad()
+def first_difference_margin(model, prompt: Sequence[int], ref: Sequence[int], other: Sequence[int]) -> float | None:
+    """Where a greedy output `other` first departs from plain decoding's `ref` (both continuing `prompt`), by how many
+    logits the target's choice there, ref's token, led other's token, from one forward over the prompt and ref up to
+    that point (logits in float32). A floating-point near-tie (a pass of another width rounding the other way, which
+    in bf16 happens on a CPU and a GPU alike) leads by about the rounding of the logits; a verifier that kept a token
+    the target did not pick would lead by whole logits. None where neither departs (one is a prefix of the other)."""
+    j = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), None)
+    if j is None:
+        return None
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt) + list(ref[:j])], device=device)
+    logits = model(input_ids=ids).logits[0, -1].float()
+    return float(logits[ref[j]] - logits[other[j]])

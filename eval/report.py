@@ -43,8 +43,16 @@ def markdown_table(ev: dict[str, Any]) -> str:
         if run.get("greedy_divergence"):
             lines.append("")
             lines.append(
-                "Greedy outputs differing from plain decoding (floating-point near-ties): "
-                + ", ".join(f"{d}: {v['prompts']}/{v['of']}" for d, v in run["greedy_divergence"].items())
+                "Greedy outputs differing from plain decoding: "
+                + ", ".join(
+                    f"{d}: {v['prompts']}/{v['of']}"
+                    + (f" (margin ≤ {v['largest_margin']:.3g})" if "largest_margin" in v else "")
+                    for d, v in run["greedy_divergence"].items()
+                )
+                + ". The margin is how many logits the target's choice led the other token by where the outputs first"
+                " differ: a floating-point near-tie (passes of other widths round differently, in bf16 above all)"
+                " leads by about the logits' rounding; a token kept that the target did not choose would usually lead"
+                " by whole logits."
             )
         lines.append("")
     if ev.get("batch_curve"):

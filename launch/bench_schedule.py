@@ -125,7 +125,7 @@ def main() -> None:
     for temperature in floats(args.temperatures):
         params = SamplingParams(temperature, cfg.eval.top_p, cfg.eval.top_k)
         by: dict = defaultdict(lambda: defaultdict(list))
-        diverged: dict = defaultdict(int)
+        diverged: dict = defaultdict(list)
         for rep in range(args.repeats):
             # the per-domain runs use `decoder.proposers` restricted to plain + per-schedule proposers
             sub = replace(decoder, proposers={n: proposers[n] for n in names})

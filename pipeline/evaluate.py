@@ -23,7 +23,7 @@ from draftsmith.data.sources import iter_conversations
 from draftsmith.eval.costs import cached_costs, measure_costs
 from draftsmith.eval.curve import MIN_ROWS, batch_curve, curve_points
 from draftsmith.eval.engine import TreeSpec, decode
-from draftsmith.eval.metrics import acceptance_stats, calibration
+from draftsmith.eval.metrics import acceptance_stats, calibration, first_difference_margin
 from draftsmith.eval.proposers import NoDraft, PromptLookup, TrainedProposer
 from draftsmith.eval.report import markdown_table, plots
 from draftsmith.eval.runner import HFTarget
@@ -132,9 +132,11 @@ class Decoder:
 
     def temperature(self, mine: list[list[dict[str, Any]]], params: SamplingParams, max_new_tokens: int, desc: str):
         """Every batch of this rank with every proposer (plain decoding first): results per domain and proposer, and
-        at T = 0 how many prompts each proposer's output differs from plain decoding's on (exactness: none)."""
+        at T = 0, per proposer, one entry per prompt its output differs from plain decoding's on (exactness: none in
+        float32; in bf16, near-ties): the target's logit margin at the first differing token
+        (`first_difference_margin`)."""
         by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        diverged: Counter = Counter()
+        diverged: dict[str, list] = defaultdict(list)
         bar = tqdm(total=sum(len(b) for b in mine), desc=desc, unit="prompt")
         for batch in mine:
             plain = None
@@ -142,7 +144,11 @@ class Decoder:
                 results = self.run(batch, name, params, max_new_tokens)
                 by[batch[0]["domain"]][name].extend(results)
                 plain = plain or [r.tokens for r in results]  # "none" runs first
-                diverged[name] += sum(r.tokens != t for r, t in zip(results, plain)) if params.greedy else 0
+                for p, r, t in zip(batch, results, plain):
+                    if params.greedy and r.tokens != t:  # how near a tie the first differing token was
+                        diverged[name].append(
+                            first_difference_margin(self.runners["none"].model, p["ids"], t, r.tokens)
+                        )
             bar.update(len(batch))
         bar.close()
         return by, diverged
@@ -327,8 +333,18 @@ def summarize(temperature, by, diverged, gammas, names, n_prompts, greedy) -> di
             overall[name]["speedup"] = overall[name]["tokens_per_s"] / overall["none"]["tokens_per_s"]
     run = {"temperature": temperature, "drafters": names, "domains": domains, "overall": overall}
     if greedy:
-        run["greedy_divergence"] = {n: {"prompts": diverged[n], "of": n_prompts} for n in names if n != "none"}
+        run["greedy_divergence"] = {n: _divergence(diverged.get(n, []), n_prompts) for n in names if n != "none"}
     return run
+
+
+def _divergence(margins: list, n_prompts: int) -> dict[str, Any]:
+    """How many prompts' greedy outputs differed from plain decoding's, and the largest logit margin by which the
+    target preferred plain decoding's token where they first differed (a near-tie: about the logits' rounding)."""
+    out: dict[str, Any] = {"prompts": len(margins), "of": n_prompts}
+    known = [m for m in margins if m is not None]
+    if known:
+        out["largest_margin"] = max(known)
+    return out
 
 
 def _report(layout: RunLayout, inputs, ev: dict[str, Any], target, model, drafter_info, n_prompts: int) -> None:
@@ -367,18 +383,19 @@ def _cost_lines(costs: dict[str, Any]) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def _gather_results(by: dict[str, dict[str, list]], diverged: Counter) -> tuple[dict[str, dict[str, list]], Counter]:
-    """Every rank's decode results and greedy divergence counts, merged (the statistics are sums over prompts, so
-    the order in which ranks decoded them does not matter)."""
+def _gather_results(by: dict[str, dict[str, list]], diverged: dict[str, list]) -> tuple[dict, dict[str, list]]:
+    """Every rank's decode results and greedy divergences, merged (the statistics are sums and maxima over prompts,
+    so the order in which ranks decoded them does not matter)."""
     import torch.distributed as dist
 
     shards: list = [None] * dist.get_world_size()
     dist.all_gather_object(shards, ({d: dict(per) for d, per in by.items()}, dict(diverged)))
     merged: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    total: Counter = Counter()
+    total: dict[str, list] = defaultdict(list)
     for rank_by, rank_diverged in shards:
         for domain, per in rank_by.items():
             for name, results in per.items():
                 merged[domain][name].extend(results)
-        total.update(rank_diverged)
+        for name, margins in rank_diverged.items():
+            total[name].extend(margins)
     return merged, total

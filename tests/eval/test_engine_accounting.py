@@ -135,3 +135,50 @@ def test_tree_logits_equal_each_paths_plain_forward(tiny_tok, attn, test_device)
             torch.testing.assert_close(
                 logits[1 + i], plain.float(), rtol=0, atol=1e-4, msg=lambda m, i=i: f"node {i} ({attn}): {m}"
             )
+
+
+def test_the_margin_at_the_first_differing_token_is_the_targets_lead_there(tiny64):
+    """`first_difference_margin` finds where an output first departs from plain decoding's and returns how far the
+    target's logit of plain decoding's token there led the other's: the top-two gap for the runner-up, more for a
+    less likely token, nothing for identical outputs."""
+    from draftsmith.eval.metrics import first_difference_margin
+
+    prompt = [5, 17, 33, 9]
+    ref = plain_greedy(tiny64, prompt, 8)
+    with torch.no_grad():
+        logits = tiny64(input_ids=torch.tensor([prompt + ref[:3]], device=tiny64.device)).logits[0, -1].float()
+    order = logits.argsort(descending=True).tolist()
+    assert order[0] == ref[3]
+    runner_up, unlikely = ref[:3] + [order[1]] + ref[4:], ref[:3] + [order[-1]] + ref[4:]
+    gap = float(logits[order[0]] - logits[order[1]])
+    assert first_difference_margin(tiny64, prompt, ref, runner_up) == pytest.approx(gap, abs=1e-4)
+    assert first_difference_margin(tiny64, prompt, ref, unlikely) > gap
+    assert first_difference_margin(tiny64, prompt, ref, list(ref)) is None
+
+
+def test_eval_records_a_departure_from_plain_greedy_with_its_margin(tiny64, monkeypatch):
+    """Mutation: a verifier that accepts every draft makes the output depart from plain decoding's; eval's record
+    counts the prompt and gives the target's lead at the first differing token, well above a near-tie's (the
+    float32 tiny target breaks no ties), and the report prints it."""
+    from draftsmith.eval import engine
+    from draftsmith.eval.report import markdown_table
+    from draftsmith.pipeline.evaluate import Decoder, summarize
+
+    class Sevens(NoDraft):
+        name = "sevens"
+
+        def propose(self, histories, active, k, params, generators):
+            return Proposal([[7] * k if a else [] for a in active])
+
+    prompt = [5, 17, 33, 9]
+    assert 7 not in plain_greedy(tiny64, prompt, 12)[:3]
+    monkeypatch.setattr(engine, "greedy_verify", lambda d, logits: (len(d), int(logits[len(d)].argmax())))
+    runner = HFTarget(tiny64)
+    dec = Decoder({"none": runner, "sevens": runner}, {"none": NoDraft(), "sevens": Sevens()}, {"none": 1, "sevens": 3},
+                  [], None, 0, tiny64.device)  # fmt: skip
+    by, diverged = dec.temperature([[{"ids": prompt, "domain": "d", "id": "p"}]], SamplingParams(), 12, "test")
+    assert len(diverged["sevens"]) == 1 and diverged["sevens"][0] > 0.1
+    run = summarize(0.0, by, diverged, dec.gammas, ["none", "sevens"], 1, True)
+    assert run["greedy_divergence"]["sevens"] == {"prompts": 1, "of": 1, "largest_margin": diverged["sevens"][0]}
+    settings = {"draft_length": 3, "max_new_tokens": 12}
+    assert "sevens: 1/1 (margin ≤" in markdown_table({"runs": [run], "settings": settings})
