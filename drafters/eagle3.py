@@ -280,16 +280,23 @@ class Eagle3Drafter(DrafterBase):
         from_target: bool,
         key_mask: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        heads_at: torch.Tensor | None = None,
     ):
         """Cached forward of n new entries. `hidden` is target aux features (from_target) or the drafter's own
         pre-norm output; `tokens` the next tokens; `key_mask` [B, cache+n] the valid slots (batched decoding).
-        Returns (logits, confidence logits, pre-norm hidden)."""
+        Returns (logits, confidence logits, pre-norm hidden [B, n, H]). With `heads_at` [B] (one slot per row), the
+        logits and confidences are of that slot only ([B, 1, D], [B, 1]): catching up on many verified slots needs
+        the heads of the last one, and the vocabulary projection of every slot would cost more than the layers."""
         h = self.fc(hidden.to(self.fc.weight.dtype)) if from_target else hidden
         embeds = self.embed_tokens(tokens).to(h.dtype)
         cos, sin = self._rope(positions, h)
         for li, layer in enumerate(self.all_layers()):
             h = layer.cached(h, embeds, cos, sin, cache, li, key_mask, attn_mask)
-        logits, conf = self.heads(h, tokens)
+        if heads_at is None:
+            logits, conf = self.heads(h, tokens)
+        else:
+            rows = torch.arange(h.shape[0], device=h.device)
+            logits, conf = self.heads(h[rows, heads_at][:, None], tokens[rows, heads_at][:, None])
         return logits, conf, h
 
     # ------------------------------------------------------------------------------------ construction

@@ -208,7 +208,7 @@ class TrainedProposer(NoDraft):
 class Eagle3Proposer(TrainedProposer):
     name = "eagle3"
 
-    def _extend(self, feats, tokens, valid, positions):
+    def _extend(self, feats, tokens, valid, positions, heads_at=None):
         """Append step-0 entries: target features of verified positions and the tokens that follow them."""
         self.key_mask = torch.cat([self.key_mask, valid.to(self.device)], dim=1)
         return self.drafter.decode(
@@ -218,6 +218,7 @@ class Eagle3Proposer(TrainedProposer):
             self.cache,
             from_target=True,
             key_mask=self.key_mask,
+            heads_at=heads_at,
         )
 
     @torch.no_grad()
@@ -244,11 +245,11 @@ class Eagle3Proposer(TrainedProposer):
             return
         feats, toks, valid, positions = (torch.cat([c[i] for c in self.pending], 1) for i in range(4))
         self.pending = []
-        logits, conf, h = self._extend(feats, toks, valid, positions)
         n = valid.shape[1]
         idx = (n - 1 - valid.flip(1).int().argmax(1)).to(self.device)  # each row's last verified slot
+        logits, conf, h = self._extend(feats, toks, valid, positions, heads_at=idx)  # heads of that slot only
         rows = torch.arange(valid.shape[0], device=self.device)
-        self.last = (logits[rows, idx], conf[rows, idx], h[rows, idx].unsqueeze(1))
+        self.last = (logits[:, 0], conf[:, 0], h[rows, idx].unsqueeze(1))
 
     @torch.no_grad()
     def propose(self, histories, active, k, params, generators):

@@ -96,6 +96,31 @@ def test_ttt_step_i_equals_cached_autoregressive_drafting(steps, variant, impl, 
     assert checked > 0 or steps == 1
 
 
+def test_heads_at_one_slot_per_row_equal_those_slots_of_the_full_heads(test_device):
+    """`decode(heads_at=idx)` (a catch-up over many verified slots that needs only each row's last one) gives that
+    slot's logits and confidence as the full call does, and the same hidden states, and runs the vocabulary
+    projection over one slot per row (what makes a catch-up cheap)."""
+    model = _drafter(device=test_device)
+    B, n = 2, 9
+    g = torch.Generator().manual_seed(3)
+    aux = torch.randn(B, n, 3 * 24, generator=g, dtype=torch.float64).to(test_device)
+    ids = torch.randint(0, 97, (B, n), generator=g).to(test_device)
+    pos = torch.arange(n, device=test_device).expand(B, n)
+    idx = torch.tensor([8, 5], device=test_device)
+    projected = []
+    hook = model.lm_head.register_forward_hook(lambda _m, args, _o: projected.append(args[0].shape[:-1].numel()))
+    with torch.no_grad():
+        full_cache, some_cache = model.new_cache(), model.new_cache()
+        logits, conf, h = model.decode(aux, ids, pos, full_cache, from_target=True)
+        one_logits, one_conf, one_h = model.decode(aux, ids, pos, some_cache, from_target=True, heads_at=idx)
+    hook.remove()
+    assert projected == [B * n, B]
+    rows = torch.arange(B, device=test_device)
+    torch.testing.assert_close(one_logits[:, 0], logits[rows, idx], rtol=0, atol=1e-12)
+    torch.testing.assert_close(one_conf[:, 0], conf[rows, idx], rtol=0, atol=1e-12)
+    torch.testing.assert_close(one_h, h, rtol=0, atol=0)
+
+
 def test_ttt_would_differ_without_the_diagonal_keys(test_device):
     """Guard for the test above: dropping the diagonal keys changes step>=1 logits, so the equality is not vacuous."""
     model = _drafter(device=test_device)
