@@ -336,18 +336,12 @@ class Eagle3Proposer(TrainedProposer):
             self.key_mask = self.key_mask[:, : self.round_start]
         k1 = max(accepted) + 1  # slots past every row's accepted ones would be holes everywhere
         positions = self.pos[:, None] + torch.arange(k1)[None, :]
-        if k1 == 1:  # nothing accepted (every round the schedule skips): each row's one verified slot, built at once
-            toks, valid = torch.tensor(list(news))[:, None], torch.ones(len(news), 1, dtype=torch.bool)
-            self.pos += 1
-        else:
-            B = feats.shape[0]
-            toks = torch.zeros(B, k1, dtype=torch.long)
-            valid = torch.zeros(B, k1, dtype=torch.bool)
-            for b in range(B):
-                n = accepted[b]
-                toks[b, : n + 1] = torch.tensor(list(drafts[b][:n]) + [news[b]])
-                valid[b, : n + 1] = True
-            self.pos += torch.tensor(list(accepted)) + 1
+        # built in Python and turned into tensors once: it runs every round, drafted or not
+        rows = [list(d[:n]) + [new] for d, n, new in zip(drafts, accepted, news)]
+        toks = torch.tensor([r + [0] * (k1 - len(r)) for r in rows])
+        kept = torch.tensor(list(accepted)) + 1
+        valid = torch.arange(k1)[None, :] < kept[:, None]
+        self.pos += kept
         # With a schedule the drafter sees the verified slots when it next drafts (`_sync`): a round that drafts
         # nothing costs it nothing. Without one, at once (the same cache either way).
         self.pending.append((feats[:, :k1].to(self.device), toks, valid, positions))

@@ -183,15 +183,12 @@ class CostSchedule:
         should cost what a plain step costs."""
         rows = [bool(a) for a in (active.tolist() if isinstance(active, torch.Tensor) else active)]
         batch, n = len(rows), sum(rows)
-        ratio, pooled = self.ratio(0), None
-        seen = new = 0.0
+        ratio, pooled = self.ratio(0), self.first_slot_rate()
+        seen = new = 0.0  # predicted first slots of the rows that drafted before, and of the new rows
         for c, a in zip(c0.tolist(), rows):
-            if not a:
-                continue
-            if math.isnan(c):
-                pooled = self.first_slot_rate() if pooled is None else pooled
+            if a and math.isnan(c):
                 new += pooled
-            else:
+            elif a:
                 seen += min(c * ratio, 1.0)
         plain_step, probe = self.costs.verify_time(1, batch), self.costs.round_time(batch)
         plain = n / plain_step
