@@ -71,6 +71,10 @@ class NoDraft:
         """A chain proposal's verification: how many of each row's drafts were accepted (for a schedule that learns
         from it)."""
 
+    def timed(self, verify_seconds: float, draft_seconds: float) -> None:
+        """What the round just finished cost, by the engine's timers: its target pass (with the acceptance rule) and
+        its drafting (proposing, and the update with what was verified), for a schedule that learns from it."""
+
 
 class PromptLookup(NoDraft):
     """Deterministic proposals (q is one-hot on the drafted token), as in prompt-lookup decoding."""
@@ -163,6 +167,10 @@ class TrainedProposer(NoDraft):
     def observe(self, proposal: Proposal, accepted: Sequence[int]) -> None:
         if self.schedule is not None and proposal.confidences is not None:
             self.schedule.observe(proposal.confidences, list(accepted))
+
+    def timed(self, verify_seconds: float, draft_seconds: float) -> None:
+        if self.schedule is not None:
+            self.schedule.timed(verify_seconds, draft_seconds)
 
     def _skip_round(self, active) -> bool:
         """Whether this round drafts nothing at all (a plain target step, with no drafter work), decided by the

@@ -66,7 +66,10 @@ def curve_table(points: list[dict[str, Any]]) -> str:
     lines = []
     for t in sorted({p["temperature"] for p in points}):
         at = [p for p in points if p["temperature"] == t]
-        configs = list(dict.fromkeys((p["drafter"], p["schedule"]) for p in at if p["drafter"] != "none"))
+        # every configuration but plain decoding itself (plain decoding again, an A/A run, is a column too)
+        configs = list(
+            dict.fromkeys((p["drafter"], p["schedule"]) for p in at if (p["drafter"], p["schedule"]) != ("none", "-"))
+        )
         lines += [
             f"### Batch curve, T = {t}: speedup over plain decoding (verified draft slots per row and round)",
             "| batch | plain tok/s | " + " | ".join(f"{d} {m}" for d, m in configs) + " |",
@@ -98,7 +101,7 @@ def curve_plot(points: list[dict[str, Any]], path: Path) -> None:
         at = [p for p in points if p["temperature"] == t]
         for d, m in dict.fromkeys((p["drafter"], p["schedule"]) for p in at):
             line = sorted((p for p in at if (p["drafter"], p["schedule"]) == (d, m)), key=lambda p: p["batch"])
-            label = "plain decoding" if d == "none" else f"{d} {m}"
+            label = ("plain decoding" if m == "-" else f"plain decoding {m}") if d == "none" else f"{d} {m}"
             xs = [p["batch"] for p in line]
             rate_ax.plot(xs, [p["tokens_per_s"] for p in line], marker="o", label=label)
             if d != "none":

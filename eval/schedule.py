@@ -22,6 +22,13 @@ round that does not draft costs the drafter nothing (EAGLE-3 catches up on the v
 next drafts), and the drafter is asked again after n, 2n, 4n, ... such rounds to refresh its confidences, n chosen
 so that these probes cost at most a small share (`probe_share`) of the time they save.
 
+The table is measured once, in a minute of the machine's life; every round the engine's own timers then report what
+the round cost (`timed`), and the schedule corrects the table with it, per batch size: a plain pass, a wider pass
+and a draft round each get the mean of (measured − table) over the rounds seen, shrunk toward 0 by `cost_prior`
+rounds (a wider pass shrunk toward the plain pass's correction). A table that made verifying two slots look as cheap
+as one (timing noise) is corrected after the few rounds that drafted on it. One that made them look dearer than they
+are is not (no wider pass is run to show it): the error costs speedup there, never a round slower than plain.
+
 Non-anticipating: whether slot i is verified depends on the confidences c_0..c_i of the rows, which the drafter
 computes before drawing x_i, never on x_i or anything drawn after it; so the verifier's output keeps the target's
 distribution (the chapter's slot-by-slot admission).
@@ -122,11 +129,20 @@ class CostSchedule:
 
     prior = 4.0
     """Weight, in slots, of the online calibration's prior (predictions taken as right) against what was seen."""
+    cost_prior = 8.0
+    """Weight, in rounds, of the cost table against the times measured on this schedule's own rounds (`timed`)."""
 
-    def __init__(self, costs: CostTable):
+    def __init__(self, costs: CostTable, learn_costs: bool = True):
         self.costs = costs
+        self.learn_costs = learn_costs
+        """Correct the table with the engine's timings of the rounds run (off: the table alone, for tests that script
+        decisions on a table of made-up seconds)."""
         self.halted = False
         self.backoff = 1
+        # per batch size, (sum of measured − table, rounds) of plain passes, wider passes and draft rounds
+        self.excess: dict[int, dict[str, list[float]]] = {}
+        self.last: tuple[int, int, int] | None = None  # (batch, width, draft steps; -1: not drafted) of this round
+        self.batch = 0
         # online calibration, per depth i: the predicted survival Σ c_0...c_i of the slots verified so far, and how
         # many of them were accepted (kept across decodes: only rounds already verified count, never this one's)
         self.predicted: list[float] = []
@@ -190,9 +206,10 @@ class CostSchedule:
                 new += pooled
             elif a:
                 seen += min(c * ratio, 1.0)
-        plain_step, probe = self.costs.verify_time(1, batch), self.costs.round_time(batch)
+        plain_step, probe = self.verify_time(1, batch), self.round_time(batch)
         plain = n / plain_step
-        pass_cost = probe + self.costs.verify_time(2, batch)
+        pass_cost = probe + self.verify_time(2, batch)
+        self.last = (batch, 1, -1)  # a round that does not draft: one plain pass (until `begin` says otherwise)
         if (n + seen + new) / pass_cost >= plain:
             if (n + seen) / pass_cost >= plain:  # the rows' own confidences say it pays: no backoff
                 self.backoff = 1
@@ -207,9 +224,49 @@ class CostSchedule:
         self.skipped += 1
         return False
 
+    def _shrunk(self, batch: int, kind: str, toward: float = 0.0) -> float:
+        """The mean of measured − table over the rounds seen of this kind, shrunk toward `toward`."""
+        total, n = self.excess.get(batch, {}).get(kind, (0.0, 0.0))
+        return (total + self.cost_prior * toward) / (n + self.cost_prior)
+
+    def verify_time(self, width: int, batch: int) -> float:
+        """The table's pass time corrected by this schedule's measured rounds. A wider pass takes the plain pass's
+        correction until wider passes have been timed (a machine running slower now is slower at every width), and
+        never costs less than a plain one."""
+        plain_excess = self._shrunk(batch, "plain")
+        plain = self.costs.verify_time(1, batch) + plain_excess
+        if width == 1:
+            return plain
+        return max(self.costs.verify_time(width, batch) + self._shrunk(batch, "wide", plain_excess), plain)
+
+    def round_time(self, batch: int) -> float:
+        """The table's draft round corrected by the measured ones (which also hold the catch-up over skipped
+        rounds, the update with the verified tokens and the drafter's bookkeeping)."""
+        return max(self.costs.round_time(batch) + self._shrunk(batch, "draft"), 0.0)
+
+    def timed(self, verify_seconds: float, draft_seconds: float) -> None:
+        """The round just run took `verify_seconds` in its target pass and `draft_seconds` drafting (the engine's
+        timers): what it cost beyond the table is remembered for its batch size. Rounds this schedule did not decide
+        (a tree, a chain drafted without `worth_drafting`) are ignored."""
+        if self.last is None or not self.learn_costs:
+            self.last = None
+            return
+        batch, width, steps = self.last
+        self.last = None
+        seen = self.excess.setdefault(batch, {"plain": [0.0, 0.0], "wide": [0.0, 0.0], "draft": [0.0, 0.0]})
+        kind = "plain" if width == 1 else "wide"
+        seen[kind][0] += verify_seconds - self.costs.verify_time(width, batch)
+        seen[kind][1] += 1
+        if steps >= 0:
+            predicted = self.costs.round_time(batch) + steps * self.costs.step_time(batch)
+            seen["draft"][0] += draft_seconds - predicted
+            seen["draft"][1] += 1
+
     def begin(self, drafting: torch.Tensor) -> None:
         """A new round for the rows in `drafting` (bool [B])."""
         self.batch = int(drafting.shape[0])
+        if self.last is not None:  # decided by `worth_drafting`: this round drafts
+            self.last = (self.batch, 1, 0)
         self.rows = int(drafting.sum())
         self.expected = float(self.rows)  # every active row commits at least one token per pass
         self.width = 1  # the last committed token
@@ -217,8 +274,8 @@ class CostSchedule:
         self.halted = False
 
     def _cost(self, width: int, steps: int) -> float:
-        c = self.costs
-        return c.round_time(self.batch) + steps * c.step_time(self.batch) + c.verify_time(width, self.batch)
+        b = self.batch
+        return self.round_time(b) + steps * self.costs.step_time(b) + self.verify_time(width, b)
 
     def admit(self, i: int, conf: torch.Tensor, survival: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
         """The rows that draft slot i, from their confidences `conf` [B] of slot i (read before x_i is drawn) and
@@ -240,6 +297,8 @@ class CostSchedule:
             admitted[torch.tensor(taken[:best])] = True
             self.expected += best_gain
             self.width += 1
+        if self.last is not None:  # depth i was drafted (admitted or not): i steps past the round's first
+            self.last = (self.batch, self.width, i)
         # another depth: each admitted row's next slot survives with about its survival times its latest confidence
         nxt = float((raw * conf * self.ratio(i + 1)).clamp(max=1.0).where(admitted, torch.zeros_like(conf)).sum())
         later = self._cost(self.width + 1, i + 1)

@@ -3,12 +3,14 @@ the confidence threshold, the cost schedule), measured side by side in one proce
 against batch size (the batch curve).
 
     python launch/bench_schedule.py runs/demo/config.yaml [--per-domain 2] [--repeats 1] [--max-new-tokens 64]
-        [--temperatures 0,1] [--batches 1,4,16,64] [--curve-temperatures 0] [--threshold 0.5] [--out DIR]
+        [--temperatures 0,1] [--batches 1,4,16,64] [--curve-temperatures 0] [--curve-repeats 1]
+        [--curve-schedules fixed,threshold,cost] [--threshold 0.5] [--out DIR]
 
 Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding, then by
 every (drafter, schedule), then by plain decoding again (the A/A column: the noise of a ratio measured this way), one
 right after the other, `--repeats` times; a domain's tokens/s is its tokens over its wall time. The batch curve is
-eval's own (eval.batch_curve, `eval.curve`). The cost tables are measured first (cached like eval's, per run and
+eval's own (eval.batch_curve, `eval.curve`), with plain decoding again after the other configurations of each batch
+(A/A, the schedule "again"), summed over `--curve-repeats` runs of it. The cost tables are measured first (cached like eval's, per run and
 batch sizes). Prints the per-domain tables, the cost tables and the curve as Markdown,
 and writes OUT/bench_schedule.json and OUT/batch_curve.png.
 """
@@ -35,6 +37,8 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1", help="per-domain tables at these temperatures ('' for none)")
     ap.add_argument("--batches", default="1,4,16,64", help="batch curve sizes ('' for none)")
     ap.add_argument("--curve-temperatures", default="0")
+    ap.add_argument("--curve-repeats", type=int, default=1, help="batch curve runs summed (each one all sizes)")
+    ap.add_argument("--curve-schedules", default="fixed,threshold,cost", help="schedules on the batch curve")
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -141,8 +145,11 @@ def main() -> None:
 
     for temperature in floats(args.curve_temperatures) if batches else []:
         params = SamplingParams(temperature, cfg.eval.top_p, cfg.eval.top_k)
-        configs = [(f, m) for f in families for m in schedules]
-        sums = batch_curve(decoder.run, configs, use, prompts, batches, params, args.max_new_tokens)
+        configs = [(f, m) for f in families for m in args.curve_schedules.split(",")] + [("none", "again")]
+        sums: dict = {}
+        for _ in range(args.curve_repeats):  # all sizes once, then again: a slow minute reaches one size less
+            for k, v in batch_curve(decoder.run, configs, use, prompts, batches, params, args.max_new_tokens).items():
+                sums[k] = {f: sums.get(k, {}).get(f, 0.0) + x for f, x in v.items()}
         record["batch_curve"] += curve_points(sums, temperature)
         print(curve_table([p for p in record["batch_curve"] if p["temperature"] == temperature]), flush=True)
     if record["batch_curve"]:

@@ -108,6 +108,62 @@ def test_the_schedule_corrects_overconfident_drafts_from_verified_rounds():
     assert right.admit(0, c, torch.ones(1, dtype=torch.float64), on).all()
 
 
+def _round(s: CostSchedule, conf: float, plain: float, wide: float, draft: float) -> int:
+    """One round of one row through the schedule (the decision, the admission, the engine's timings: a pass `plain`
+    seconds one slot wide, `wide` two wide, `draft` seconds drafting): the slots it verified."""
+    on, c = torch.tensor([True]), torch.tensor([conf], dtype=torch.float64)
+    if not s.worth_drafting(c, on):
+        s.timed(plain, 0.0)
+        return 0
+    s.begin(on)
+    admitted = int(s.admit(0, c, torch.ones(1, dtype=torch.float64), on).sum())
+    s.timed(wide if admitted else plain, draft)
+    return admitted
+
+
+def test_the_schedule_corrects_a_table_that_makes_drafting_look_cheap():
+    """The table says a pass two slots wide costs 4% more than a plain one (timing noise), so a first slot at 0.2
+    pays ((1 + 0.2) / (0.02 + 1.04) >= 1 / 1); the rounds that draft on it take 1.5 there. After the four rounds
+    that show it (1.04 + 0.46 n / (n + 8) > 1.18 from n = 4), it stops drafting: a wrong table costs a few rounds,
+    not the decode. With the correction off (the mutation) it drafts on every round."""
+    cheap = CostTable(verify={1: {1: 1.0, 2: 1.04}}, draft_step={1: 0.01}, draft_round={1: 0.02})
+    s = CostSchedule(cheap)
+    assert [_round(s, 0.2, 1.0, 1.5, 0.02) for _ in range(5)] == [1, 1, 1, 1, 0]
+    assert s.verify_time(2, 1) == pytest.approx(1.04 + 4 * 0.46 / 12) and s.verify_time(1, 1) == 1.0
+    fixed = CostSchedule(cheap, learn_costs=False)
+    assert [_round(fixed, 0.2, 1.0, 1.5, 0.02) for _ in range(20)] == [1] * 20
+
+
+def test_a_slower_plain_pass_moves_every_width_and_draft_rounds_learn_their_catch_up():
+    """Plain passes timed 0.2 above the table raise a wider pass by as much until wider passes are timed (a slower
+    machine is slower at every width: the wide increment does not shrink); draft rounds timed above the table (the
+    catch-up over skipped rounds, the bookkeeping) raise `round_time`, which sets the probe floor."""
+    s = CostSchedule(TABLE)
+    for _ in range(8):
+        s.last = (1, 1, -1)  # a skipped round
+        s.timed(1.2, 0.0)
+    assert s.verify_time(1, 1) == pytest.approx(1.1) and s.verify_time(2, 1) == pytest.approx(1.3 + 0.1)
+    assert s.verify_time(1, 4) == 1.2  # another batch size: its own corrections
+    for _ in range(8):
+        s.last = (1, 2, 0)  # a drafted round, one slot verified
+        s.timed(1.3, 0.5)  # its pass as the table says; drafting 0.4 above it
+    assert s.verify_time(2, 1) == pytest.approx(1.3 + 0.05)  # (8 · 0 + 8 · 0.1) / (8 + 8)
+    assert s.round_time(1) == pytest.approx(0.1 + 0.4 * 0.5)
+
+
+def test_the_engine_reports_every_round_to_the_schedule(tiny64):
+    """Every round of a decode is timed to the schedule, as a plain pass or a wider one as it verified (EAGLE-3, one
+    row: rounds it skipped and rounds it drafted)."""
+    drafter = _eagle3(tiny64)
+    proposer = Eagle3Proposer(drafter)
+    proposer.schedule = CostSchedule(TABLE)
+    res = decode(HFTarget(tiny64, drafter.config.aux_layer_ids), proposer, [[5, 17, 33, 9]], SamplingParams(), 3, 30)
+    seen = proposer.schedule.excess[1]
+    drafted = [d for d, _ in res[0].rounds]
+    assert seen["plain"][1] == sum(d == 0 for d in drafted) and seen["wide"][1] == sum(d > 0 for d in drafted)
+    assert seen["draft"][1] >= seen["wide"][1] > 0
+
+
 def test_pass_times_are_made_nondecreasing_in_the_width():
     """Timing noise that makes a wider pass look cheaper is pooled away (least squares); a monotone row is kept."""
     assert nondecreasing([58.0, 60.0, 65.0, 66.0, 60.0, 62.0]) == [58.0, 60.0, 63.25, 63.25, 63.25, 63.25]
@@ -131,7 +187,7 @@ def test_sampling_with_the_schedule_emits_the_targets_distribution(rows, test_de
     the schedule deciding per round which slots (and whether any) are verified, every row's output is still
     distributed as the target's."""
     proposer = DSparkProposer(_tiny_dspark(device=test_device))
-    proposer.schedule = CostSchedule(DIST_TABLE)
+    proposer.schedule = CostSchedule(DIST_TABLE, learn_costs=False)  # made-up seconds: the decisions they script
     target = FeatureBigramTarget(P.to(test_device), 3 * 8)
     gens = [make_generator(test_device, 100 + b) for b in range(rows)]
     counts, drafted, rounds, empty = Counter(), 0, 0, 0
@@ -172,7 +228,9 @@ class PeekingSchedule(DSparkProposer):
 
 def test_the_schedule_sampling_test_rejects_a_peeking_schedule(test_device):
     mutant = PeekingSchedule(_tiny_dspark(device=test_device))
-    mutant.schedule = CostSchedule(TABLE)  # every slot of this drafter pays there: peeking is the only cut
+    mutant.schedule = CostSchedule(
+        TABLE, learn_costs=False
+    )  # every slot of this drafter pays there: peeking is the only cut
     counts, _, _ = _emitted_dspark(mutant, n=2000, seed=3)
     assert chi_square_pvalue(counts, _exact()) < 1e-6
 
@@ -234,7 +292,9 @@ def test_a_decode_the_schedule_never_drafts_in_costs_the_drafter_nothing(tiny64,
             setattr(drafter, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
     proposer = Eagle3Proposer(drafter) if family == "eagle3" else DSparkProposer(drafter)
     never = CostTable({1: {1: 1.0, 2: 5.0}}, {1: 0.1}, {1: 10.0})  # a probe would wait max_backoff rounds
-    proposer.schedule = CostSchedule(never)  # even a sure first slot would not pay: (1 + 1) / (10 + 5) < 1 / 1
+    proposer.schedule = CostSchedule(
+        never, learn_costs=False
+    )  # even a sure first slot would not pay: (1 + 1) / (10 + 5) < 1 / 1
     prompt = [5, 17, 33, 9]
     res = decode(HFTarget(tiny64, drafter.config.aux_layer_ids), proposer, [prompt], SamplingParams(), 3, 20)
     assert res[0].tokens == plain_greedy(tiny64, prompt, 20)
