@@ -262,6 +262,14 @@ class CostSchedule:
             seen["draft"][0] += draft_seconds - predicted
             seen["draft"][1] += 1
 
+    def corrections(self) -> dict[int, dict[str, dict[str, float]]]:
+        """What the rounds timed so far said the table missed: per batch size and kind of round (plain pass, wider
+        pass, draft round), the mean measured − table in seconds and the rounds it is over (for the report)."""
+        return {
+            b: {k: {"excess_s": t / n, "rounds": n} for k, (t, n) in kinds.items() if n}
+            for b, kinds in sorted(self.excess.items())
+        }
+
     def begin(self, drafting: torch.Tensor) -> None:
         """A new round for the rows in `drafting` (bool [B])."""
         self.batch = int(drafting.shape[0])

@@ -44,10 +44,11 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+    from tqdm import tqdm
 
     from draftsmith.data.chat import stop_token_ids
     from draftsmith.eval.costs import cached_costs, measure_costs
-    from draftsmith.eval.curve import batch_curve, curve_points
+    from draftsmith.eval.curve import MIN_ROWS, batch_curve, curve_points
     from draftsmith.eval.proposers import NoDraft
     from draftsmith.eval.report import curve_plot, curve_table
     from draftsmith.eval.runner import HFTarget
@@ -147,9 +148,15 @@ def main() -> None:
         params = SamplingParams(temperature, cfg.eval.top_p, cfg.eval.top_k)
         configs = [(f, m) for f in families for m in args.curve_schedules.split(",")] + [("none", "again")]
         sums: dict = {}
+        rows = args.curve_repeats * sum(max(b, MIN_ROWS) for b in batches)
+        bar = tqdm(total=rows, desc=f"batch curve T={temperature}", unit="row")
         for _ in range(args.curve_repeats):  # all sizes once, then again: a slow minute reaches one size less
-            for k, v in batch_curve(decoder.run, configs, use, prompts, batches, params, args.max_new_tokens).items():
+            curve = batch_curve(
+                decoder.run, configs, use, prompts, batches, params, args.max_new_tokens, progress=bar.update
+            )
+            for k, v in curve.items():
                 sums[k] = {f: sums.get(k, {}).get(f, 0.0) + x for f, x in v.items()}
+        bar.close()
         record["batch_curve"] += curve_points(sums, temperature)
         print(curve_table([p for p in record["batch_curve"] if p["temperature"] == temperature]), flush=True)
     if record["batch_curve"]:

@@ -201,11 +201,12 @@ def _batch_curve(cfg: RunConfig, decoder: Decoder, tables: dict, prompts, params
     at each batch size; each rank decodes a share of the groups and the sums are merged. Leaves every trained
     proposer on eval's own schedule."""
     e, state = cfg.eval, dist_state()
-    mode = e.resolved_schedule() if decoder.tree is None else "fixed"
     trained = [n for n, p in decoder.proposers.items() if isinstance(p, TrainedProposer)]
     schedules = ["fixed", *(["threshold"] if e.confidence_threshold is not None else []), "cost"]
     configs = [(n, m) for n in trained for m in schedules]
     use = lambda name, m: decoder.proposers[name].use(m, tables.get(name), e.confidence_threshold)  # noqa: E731
+    # eval's own schedules, put back afterwards as they are: what they learned (calibration, timings) is kept
+    own = {n: (decoder.proposers[n].schedule, decoder.proposers[n].threshold) for n in trained}
     rows = sum(max(b, MIN_ROWS) for b in e.batch_curve)
     bar = tqdm(total=rows // state.num_processes, desc=f"batch curve T={params.temperature}{rank}", unit="row")
     sums = batch_curve(
@@ -221,7 +222,7 @@ def _batch_curve(cfg: RunConfig, decoder: Decoder, tables: dict, prompts, params
     )
     bar.close()
     for name in trained:
-        use(name, mode)
+        decoder.proposers[name].schedule, decoder.proposers[name].threshold = own[name]
     if state.num_processes > 1:
         import torch.distributed as dist
 
@@ -308,6 +309,10 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         atomic_write_text(layout.eval_json, json.dumps(ev, indent=2))
 
     if state.is_main_process:  # the main process writes the merged results
+        for name, proposer in proposers.items():  # what this process's timed rounds said its cost table missed
+            schedule = getattr(proposer, "schedule", None)
+            if name in ev["costs"] and schedule is not None:
+                ev["costs"][name]["corrections"] = schedule.corrections()
         ev["complete"] = True
         atomic_write_text(layout.eval_json, json.dumps(ev, indent=2))
         _report(layout, inputs, ev, target, model, drafter_info, len(prompts))
@@ -380,6 +385,11 @@ def _cost_lines(costs: dict[str, Any]) -> str:
             lines.append(
                 f"| {b} | {cells} | {1e3 * t['draft_round'].get(b, 0.0):.1f} ms | {1e3 * t['draft_step'].get(b, 0.0):.1f} ms |"
             )
+        for b, kinds in t.get("corrections", {}).items():
+            said = ", ".join(
+                f"{k} {1e3 * c['excess_s']:+.1f} ms over {c['rounds']:.0f} rounds" for k, c in kinds.items()
+            )
+            lines.append(f"\nTimed during eval at batch {b} (measured − table, mean): {said}.")
     return "\n".join(lines) + ("\n" if lines else "")
 
 
