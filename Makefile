@@ -10,6 +10,9 @@ STAMP      := $(VENV)/.installed
 # The serving engines (vLLM, SGLang) for tests/engines/: outside the venv, run only in the tests' subprocesses.
 ENGINES    ?= .engines
 ENGINES_STAMP := $(ENGINES)/.installed
+# pytest-xdist workers for `make test`, one OpenMP thread each: most tests are small tensors, process starts and
+# imports, which one thread runs as fast as two, so two workers on two cores take about half the time of one.
+TEST_WORKERS ?= 2
 
 .PHONY: install engines check test demo bench gpu-check clean
 
@@ -43,7 +46,7 @@ check: $(STAMP)
 
 test: $(STAMP) $(ENGINES_STAMP) check
 	@$(PY) -c "import torch; from draftsmith.pipeline.precision import cpu_bf16; print('CPU kernels:', torch.backends.cpu.get_cpu_capability(), '| native bf16:', *cpu_bf16())"
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # The main job: self-synthesized data -> on-policy answers -> features -> EAGLE-3 + DSpark drafters -> exact eval
 # (MT-Bench + HumanEval, T = 0 and 1) -> engine exports, into runs/demo (re-running resumes / skips what is done).

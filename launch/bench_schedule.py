@@ -4,7 +4,7 @@ against batch size (the batch curve).
 
     python launch/bench_schedule.py runs/demo/config.yaml [--per-domain 2] [--repeats 1] [--max-new-tokens 64]
         [--temperatures 0,1] [--batches 1,4,16,64] [--curve-temperatures 0] [--curve-repeats 1]
-        [--curve-schedules fixed,threshold,cost] [--threshold 0.5] [--out DIR]
+        [--curve-schedules fixed,threshold,cost] [--schedules fixed,threshold,cost] [--threshold 0.5] [--out DIR]
 
 Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding, then by
 every (drafter, schedule), then by plain decoding again (the A/A column: the noise of a ratio measured this way), one
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--curve-temperatures", default="0")
     ap.add_argument("--curve-repeats", type=int, default=1, help="batch curve runs summed (each one all sizes)")
     ap.add_argument("--curve-schedules", default="fixed,threshold,cost", help="schedules on the batch curve")
+    ap.add_argument("--schedules", default="fixed,threshold,cost", help="schedules in the per-domain tables")
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -68,7 +69,7 @@ def main() -> None:
     tok, model = target.tokenizer, target.model
     prompts = eval_prompts(cfg, tok)
     gamma = cfg.eval.draft_length
-    schedules = ("fixed", "threshold", "cost")
+    schedules = tuple(args.schedules.split(","))
 
     # one proposer per (drafter, schedule) for the per-domain tables; the batch curve switches one per drafter
     families, tables = {}, {}
@@ -142,7 +143,7 @@ def main() -> None:
                 diverged[n] += v
         run = summarize(temperature, by, diverged, decoder.gammas, names, len(prompts) * args.repeats, params.greedy)
         record["per_domain"].append(run)
-        print(_domain_markdown(run, list(families)), flush=True)
+        print(_domain_markdown(run, list(families), schedules), flush=True)
 
     for temperature in floats(args.curve_temperatures) if batches else []:
         params = SamplingParams(temperature, cfg.eval.top_p, cfg.eval.top_k)
@@ -166,11 +167,11 @@ def main() -> None:
     print(f"wrote {out / 'bench_schedule.json'}" + (f" and {out / 'batch_curve.png'}" if record["batch_curve"] else ""))
 
 
-def _domain_markdown(run: dict, families: list[str]) -> str:
+def _domain_markdown(run: dict, families: list[str], schedules: tuple[str, ...]) -> str:
     """Per domain: plain tok/s, then each drafter's speedup (τ) under each schedule, then plain decoding run again
     (the A/A ratio: how far from 1.00x noise alone moves a ratio); the last row is all domains. Then the speedups
     again, over both plain runs pooled."""
-    cols = [f"{f}/{m}" for f in families for m in ("fixed", "threshold", "cost")] + [AGAIN]
+    cols = [f"{f}/{m}" for f in families for m in schedules] + [AGAIN]
     lines = [
         f"### T = {run['temperature']}, batch 1: speedup over plain decoding (τ)",
         "| domain | prompts | plain tok/s | " + " | ".join(cols) + " |",

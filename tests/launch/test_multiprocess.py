@@ -36,6 +36,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+# one pytest-xdist worker runs all of these (`make test` uses --dist loadgroup): they pick free ports for their
+# rendezvous, and two workers picking at once could pick the same one
+pytestmark = pytest.mark.xdist_group("fixed_ports")
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("sync_worker.py")
 ACCELERATE = Path(sys.executable).with_name("accelerate")
