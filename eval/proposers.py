@@ -111,6 +111,8 @@ class TrainedProposer(NoDraft):
 
     schedule: CostSchedule | None = None
     """The cost-based admission rule (set by eval; None: the threshold rule, or fixed lengths)."""
+    cost_schedule: CostSchedule | None = None
+    """The last cost schedule `use` made, kept while another rule is in use."""
     c0: torch.Tensor
     """[B] each row's first-slot confidence of the last round it drafted (what the schedule predicts from; NaN for a
     row that has not drafted yet)."""
@@ -132,7 +134,12 @@ class TrainedProposer(NoDraft):
             raise ValueError("the threshold rule needs eval.confidence_threshold")
         if mode not in ("fixed", "threshold", "cost"):
             raise ValueError(f"unknown schedule {mode!r}: fixed, threshold or cost")
-        self.schedule = CostSchedule(costs) if mode == "cost" and costs is not None else None
+        # one cost schedule per table, kept while other rules are used (the batch curve switches rules on one
+        # proposer): switching back resumes what it learned (calibration, timings) instead of starting again
+        if mode == "cost" and costs is not None:
+            kept = getattr(self, "cost_schedule", None)
+            self.cost_schedule = kept if kept is not None and kept.costs is costs else CostSchedule(costs)
+        self.schedule = self.cost_schedule if mode == "cost" and costs is not None else None
         self.threshold = threshold if mode == "threshold" else None
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, generators, rows: torch.Tensor):

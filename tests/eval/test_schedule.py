@@ -164,6 +164,23 @@ def test_the_engine_reports_every_round_to_the_schedule(tiny64):
     assert seen["draft"][1] >= seen["wide"][1] > 0
 
 
+def test_switching_rules_keeps_what_the_cost_schedule_learned(tiny64):
+    """The batch curve switches one proposer between fixed γ and the cost schedule for every group of rows: switching
+    back resumes the same schedule (its calibration and timings), not a new one that learns from scratch each group.
+    A new table gets a new schedule."""
+    proposer = Eagle3Proposer(_eagle3(tiny64))
+    proposer.use("cost", TABLE)
+    learned = proposer.schedule
+    assert learned is not None
+    learned.observe([[0.5]], [0])
+    proposer.use("fixed", TABLE)
+    assert proposer.schedule is None
+    proposer.use("cost", TABLE)
+    assert proposer.schedule is learned and learned.ratio(0) < 1.0
+    proposer.use("cost", DIST_TABLE)
+    assert proposer.schedule is not learned and proposer.schedule.ratio(0) == 1.0
+
+
 def test_pass_times_are_made_nondecreasing_in_the_width():
     """Timing noise that makes a wider pass look cheaper is pooled away (least squares); a monotone row is kept."""
     assert nondecreasing([58.0, 60.0, 65.0, 66.0, 60.0, 62.0]) == [58.0, 60.0, 63.25, 63.25, 63.25, 63.25]
