@@ -25,9 +25,10 @@ so that these probes cost at most a small share (`probe_share`) of the time they
 The table is measured once, in a minute of the machine's life; every round the engine's own timers then report what
 the round cost (`timed`), and the schedule corrects the table with it, per batch size: a plain pass, a wider pass
 and a draft round each get the mean of (measured − table) over the rounds seen, shrunk toward 0 by `cost_prior`
-rounds (a wider pass shrunk toward the plain pass's correction). A table that made verifying two slots look as cheap
-as one (timing noise) is corrected after the few rounds that drafted on it. One that made them look dearer than they
-are is not (no wider pass is run to show it): the error costs speedup there, never a round slower than plain.
+rounds (a wider pass shrunk toward the plain pass's correction, and never less above the plain pass than the
+table has it). A table that made verifying two slots look as cheap as one (timing noise) is corrected after the few
+rounds that drafted on it. One that made them look dearer than they are is not (no wider pass is run to show it, and
+corrections only raise the cost of verifying more): the error costs speedup there, never a round slower than plain.
 
 Non-anticipating: whether slot i is verified depends on the confidences c_0..c_i of the rows, which the drafter
 computes before drawing x_i, never on x_i or anything drawn after it; so the verifier's output keeps the target's
@@ -232,12 +233,16 @@ class CostSchedule:
     def verify_time(self, width: int, batch: int) -> float:
         """The table's pass time corrected by this schedule's measured rounds. A wider pass takes the plain pass's
         correction until wider passes have been timed (a machine running slower now is slower at every width), and
-        never costs less than a plain one."""
+        never costs less over the plain pass than the table says: a correction may make verifying more dearer, never
+        cheaper. (A schedule that drafts every round times no plain pass; had wider passes timed below the table
+        made them as cheap as the plain pass's stale figure, drafting would look free.)"""
         plain_excess = self._shrunk(batch, "plain")
-        plain = self.costs.verify_time(1, batch) + plain_excess
+        table_plain = self.costs.verify_time(1, batch)
+        plain = table_plain + plain_excess
         if width == 1:
             return plain
-        return max(self.costs.verify_time(width, batch) + self._shrunk(batch, "wide", plain_excess), plain)
+        table = self.costs.verify_time(width, batch)
+        return max(table + self._shrunk(batch, "wide", plain_excess), plain + table - table_plain)
 
     def round_time(self, batch: int) -> float:
         """The table's draft round corrected by the measured ones (which also hold the catch-up over skipped

@@ -136,8 +136,9 @@ def test_the_schedule_corrects_a_table_that_makes_drafting_look_cheap():
 
 def test_a_slower_plain_pass_moves_every_width_and_draft_rounds_learn_their_catch_up():
     """Plain passes timed 0.2 above the table raise a wider pass by as much until wider passes are timed (a slower
-    machine is slower at every width: the wide increment does not shrink); draft rounds timed above the table (the
-    catch-up over skipped rounds, the bookkeeping) raise `round_time`, which sets the probe floor."""
+    machine is slower at every width: the wide increment does not shrink); wider passes timed 0.3 above the table
+    then raise it more; draft rounds timed above the table (the catch-up over skipped rounds, the bookkeeping) raise
+    `round_time`, which sets the probe floor."""
     s = CostSchedule(TABLE)
     for _ in range(8):
         s.last = (1, 1, -1)  # a skipped round
@@ -146,9 +147,22 @@ def test_a_slower_plain_pass_moves_every_width_and_draft_rounds_learn_their_catc
     assert s.verify_time(1, 4) == 1.2  # another batch size: its own corrections
     for _ in range(8):
         s.last = (1, 2, 0)  # a drafted round, one slot verified
-        s.timed(1.3, 0.5)  # its pass as the table says; drafting 0.4 above it
-    assert s.verify_time(2, 1) == pytest.approx(1.3 + 0.05)  # (8 · 0 + 8 · 0.1) / (8 + 8)
+        s.timed(1.6, 0.5)  # its pass 0.3 above the table; drafting 0.4 above it
+    assert s.verify_time(2, 1) == pytest.approx(1.3 + (8 * 0.3 + 8 * 0.1) / (8 + 8))
     assert s.round_time(1) == pytest.approx(0.1 + 0.4 * 0.5)
+
+
+def test_wider_passes_timed_below_the_table_never_make_drafting_look_free():
+    """A schedule that drafts every round times no plain pass, so its plain figure stays the table's. The machine now
+    runs faster: wider passes take 0.95 where the table says 1.1, and draft rounds 0.1 where it says 0.02. Had the
+    wider pass been lowered to the stale plain figure (1.0), a round would look like 0.1 + 1.0 against 1.15 expected
+    tokens and drafting would go on forever (the mutation); kept at least the table's 0.1 above plain, drafting stops
+    once the draft rounds' cost shows (0.02 + 0.08 n / (n + 8) + 1.1 > 1.15 from n = 5)."""
+    table = CostTable(verify={1: {1: 1.0, 2: 1.1}}, draft_step={1: 0.01}, draft_round={1: 0.02})
+    s = CostSchedule(table)
+    slots = [_round(s, 0.15, 0.85, 0.95, 0.1) for _ in range(8)]
+    assert slots[:5] == [1] * 5 and slots[5] == 0, slots
+    assert s.verify_time(2, 1) - s.verify_time(1, 1) == pytest.approx(0.1)  # the plain passes since: both lower
 
 
 def test_the_engine_reports_every_round_to_the_schedule(tiny64):
