@@ -137,7 +137,7 @@ class TrainedProposer(NoDraft):
         # one cost schedule per table, kept while other rules are used (the batch curve switches rules on one
         # proposer): switching back resumes what it learned (calibration, timings) instead of starting again
         if mode == "cost" and costs is not None:
-            kept = getattr(self, "cost_schedule", None)
+            kept = self.cost_schedule
             self.cost_schedule = kept if kept is not None and kept.costs is costs else CostSchedule(costs)
         self.schedule = self.cost_schedule if mode == "cost" and costs is not None else None
         self.threshold = threshold if mode == "threshold" else None

@@ -163,6 +163,17 @@ def main() -> None:
     if record["batch_curve"]:
         curve_plot(record["batch_curve"], out / "batch_curve.png")
     record["costs"] = {f: asdict(t) for f, t in tables.items()}
+    # what the curve's cost schedules (one per drafter, kept across groups) timed against their tables
+    record["corrections"] = {}
+    for family in families:
+        kept = proposers[family].cost_schedule
+        if kept is not None:
+            record["corrections"][family] = kept.corrections()
+            ms = {
+                b: {k: f"{1e3 * c['excess_s']:+.1f} ms/{c['rounds']:.0f}" for k, c in v.items()}
+                for b, v in kept.corrections().items()
+            }
+            print(f"{family} cost schedule, measured − table by batch size (mean/rounds): {ms}", flush=True)
     (out / "bench_schedule.json").write_text(json.dumps(record, indent=2, default=str))
     print(f"wrote {out / 'bench_schedule.json'}" + (f" and {out / 'batch_curve.png'}" if record["batch_curve"] else ""))
 

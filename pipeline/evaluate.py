@@ -310,7 +310,7 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
 
     if state.is_main_process:  # the main process writes the merged results
         for name, proposer in proposers.items():  # what this process's timed rounds said its cost table missed
-            schedule = getattr(proposer, "schedule", None)
+            schedule = getattr(proposer, "cost_schedule", None)  # eval's own, or the batch curve's
             if name in ev["costs"] and schedule is not None:
                 ev["costs"][name]["corrections"] = schedule.corrections()
         ev["complete"] = True
