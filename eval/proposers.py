@@ -136,10 +136,11 @@ class TrainedProposer(NoDraft):
             raise ValueError(f"unknown schedule {mode!r}: fixed, threshold or cost")
         # one cost schedule per table, kept while other rules are used (the batch curve switches rules on one
         # proposer): switching back resumes what it learned (calibration, timings) instead of starting again
+        self.schedule = None
         if mode == "cost" and costs is not None:
-            kept = self.cost_schedule
-            self.cost_schedule = kept if kept is not None and kept.costs is costs else CostSchedule(costs)
-        self.schedule = self.cost_schedule if mode == "cost" and costs is not None else None
+            if self.cost_schedule is None or self.cost_schedule.costs is not costs:
+                self.cost_schedule = CostSchedule(costs)
+            self.schedule = self.cost_schedule
         self.threshold = threshold if mode == "threshold" else None
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, generators, rows: torch.Tensor):
