@@ -22,13 +22,19 @@ round that does not draft costs the drafter nothing (EAGLE-3 catches up on the v
 next drafts), and the drafter is asked again after n, 2n, 4n, ... such rounds to refresh its confidences, n chosen
 so that these probes cost at most a small share (`probe_share`) of the time they save.
 
-The table is measured once, in a minute of the machine's life; every round the engine's own timers then report what
-the round cost (`timed`), and the schedule corrects the table with it, per batch size: a plain pass, a wider pass
-and a draft round each get the mean of (measured − table) over the rounds seen, shrunk toward 0 by `cost_prior`
-rounds (a wider pass shrunk toward the plain pass's correction, and never less above the plain pass than the
-table has it). A table that made verifying two slots look as cheap as one (timing noise) is corrected after the few
-rounds that drafted on it. One that made them look dearer than they are is not (no wider pass is run to show it, and
-corrections only raise the cost of verifying more): the error costs speedup there, never a round slower than plain.
+The table is measured once, in a minute of the machine's life, and a 2-core machine shared with others is not the
+same machine a minute later (on one AMD EPYC the same plain batch-4 pass was timed at 57, 76 and 82 ms in three
+tables of one day). So every round the engine's own timers report what the round cost (`timed`), and the schedule
+corrects the table with it, per batch size: a plain pass, a wider pass and a draft round each get the mean of
+(measured − table) over the rounds seen (a pass clipped to half or twice the table: a stall of the machine is not
+its speed), shrunk toward 0 by `cost_prior` rounds (a wider pass shrunk toward the plain pass's correction, and never
+less above the plain pass than the table has it). Both sides of the decision must be timed: a schedule that drafts
+every round times no plain pass, so while drafting pays by less than `check_margin` (the decision hangs on the
+timings) it takes a plain round now and then (`check_every`, until `check_rounds` plain passes are timed at that
+batch size). A table that made verifying two slots look as cheap as one, or a plain pass look dearer than it is, is
+corrected after the few rounds that drafted on it. One that made a wider pass look dearer than it is is not (no wider
+pass is run to show it, and corrections only raise the cost of verifying more): the error costs speedup there, never
+a round slower than plain.
 
 Non-anticipating: whether slot i is verified depends on the confidences c_0..c_i of the rows, which the drafter
 computes before drawing x_i, never on x_i or anything drawn after it; so the verifier's output keeps the target's
@@ -119,6 +125,15 @@ def _width(row: dict[int, float], width: int) -> float:
     return row[lo] + (row[hi] - row[lo]) * (width - lo) / (hi - lo)
 
 
+def _clipped(measured: float, table: float) -> float:
+    """measured − table, with `measured` held to within half and twice the table: a round the machine stalled in (a
+    collection, another process) says little about what the next round costs. A table entry of 0 (a drafter too cheap
+    to time) is not clipped."""
+    if table > 0:
+        measured = min(max(measured, 0.5 * table), 2.0 * table)
+    return measured - table
+
+
 class CostSchedule:
     """The per-round admission rule of a trained proposer (`TrainedProposer.schedule`)."""
 
@@ -130,8 +145,17 @@ class CostSchedule:
 
     prior = 4.0
     """Weight, in slots, of the online calibration's prior (predictions taken as right) against what was seen."""
-    cost_prior = 8.0
-    """Weight, in rounds, of the cost table against the times measured on this schedule's own rounds (`timed`)."""
+    cost_prior = 2.0
+    """Weight, in rounds, of the cost table against the times measured on this schedule's own rounds (`timed`): small,
+    since a table measured in one minute can be 20-40% off a minute later, while one round's timing is off by a few
+    percent (and clipped when the machine stalls)."""
+    check_margin = 0.25
+    """While drafting is predicted to raise the rate by less than this share, the decision hangs on the timings, and
+    the plain pass is timed too (a plain round in place of a drafted one, every `check_every` drafted rounds)."""
+    check_every = 4
+    """Drafted rounds per plain round taken to time the plain pass (while the margin is under `check_margin`)."""
+    check_rounds = 16
+    """Plain passes timed at a batch size after which no more plain rounds are taken to time it."""
 
     def __init__(self, costs: CostTable, learn_costs: bool = True):
         self.costs = costs
@@ -143,6 +167,7 @@ class CostSchedule:
         # per batch size, (sum of measured − table, rounds) of plain passes, wider passes and draft rounds
         self.excess: dict[int, dict[str, list[float]]] = {}
         self.last: tuple[int, int, int] | None = None  # (batch, width, draft steps; -1: not drafted) of this round
+        self.checks: dict[int, int] = {}  # per batch size, plain rounds taken in place of drafted ones to time it
         self.batch = 0
         # online calibration, per depth i: the predicted survival Σ c_0...c_i of the slots verified so far, and how
         # many of them were accepted (kept across decodes: only rounds already verified count, never this one's)
@@ -214,6 +239,9 @@ class CostSchedule:
         if (n + seen + new) / pass_cost >= plain:
             if (n + seen) / pass_cost >= plain:  # the rows' own confidences say it pays: no backoff
                 self.backoff = 1
+                if (n + seen) / pass_cost < plain * (1 + self.check_margin) and self._check_plain(batch):
+                    self.checks[batch] = self.checks.get(batch, 0) + 1
+                    return False  # a plain round, to time the plain pass: the backoff and skip count stay
             self.skipped = 0
             return True
         # a probe costs a draft round: wait until the rounds skipped since the last one make it a small share
@@ -225,6 +253,17 @@ class CostSchedule:
         self.skipped += 1
         return False
 
+    def _check_plain(self, batch: int) -> bool:
+        """Whether this drafted round should be a plain one instead, to time the plain pass: fewer than one plain pass
+        timed per `check_every` drafted rounds at this batch size, and fewer than `check_rounds` in all."""
+        if not self.learn_costs:
+            return False
+        seen = self.excess.get(batch)
+        if seen is None:
+            return False
+        plain, drafted = seen["plain"][1], seen["draft"][1]
+        return plain < min(self.check_rounds, drafted // self.check_every)
+
     def _shrunk(self, batch: int, kind: str, toward: float = 0.0) -> float:
         """The mean of measured − table over the rounds seen of this kind, shrunk toward `toward`."""
         total, n = self.excess.get(batch, {}).get(kind, (0.0, 0.0))
@@ -233,7 +272,7 @@ class CostSchedule:
     def verify_time(self, width: int, batch: int) -> float:
         """The table's pass time corrected by this schedule's measured rounds. A wider pass takes the plain pass's
         correction until wider passes have been timed (a machine running slower now is slower at every width), and
-        never costs less over the plain pass than the table says: a correction may make verifying more dearer, never
+        never costs less over the plain pass than the table says: a correction may make verifying dearer, never
         cheaper. (A schedule that drafts every round times no plain pass; had wider passes timed below the table
         made them as cheap as the plain pass's stale figure, drafting would look free.)"""
         plain_excess = self._shrunk(batch, "plain")
@@ -260,20 +299,23 @@ class CostSchedule:
         self.last = None
         seen = self.excess.setdefault(batch, {"plain": [0.0, 0.0], "wide": [0.0, 0.0], "draft": [0.0, 0.0]})
         kind = "plain" if width == 1 else "wide"
-        seen[kind][0] += verify_seconds - self.costs.verify_time(width, batch)
+        seen[kind][0] += _clipped(verify_seconds, self.costs.verify_time(width, batch))
         seen[kind][1] += 1
         if steps >= 0:
             predicted = self.costs.round_time(batch) + steps * self.costs.step_time(batch)
-            seen["draft"][0] += draft_seconds - predicted
+            seen["draft"][0] += draft_seconds - predicted  # not clipped: a catch-up over many skipped rounds is dear
             seen["draft"][1] += 1
 
     def corrections(self) -> dict[int, dict[str, dict[str, float]]]:
         """What the rounds timed so far said the table missed: per batch size and kind of round (plain pass, wider
-        pass, draft round), the mean measured − table in seconds and the rounds it is over (for the report)."""
-        return {
-            b: {k: {"excess_s": t / n, "rounds": n} for k, (t, n) in kinds.items() if n}
-            for b, kinds in sorted(self.excess.items())
-        }
+        pass, draft round), the mean measured − table in seconds and the rounds it is over (for the report); the
+        plain passes also say how many of them were taken in place of a drafted round to time it (`checks`)."""
+        said: dict[int, dict[str, dict[str, float]]] = {}
+        for b, kinds in sorted(self.excess.items()):
+            said[b] = {k: {"excess_s": t / n, "rounds": n} for k, (t, n) in kinds.items() if n}
+            if "plain" in said[b]:
+                said[b]["plain"]["checks"] = self.checks.get(b, 0)
+        return said
 
     def begin(self, drafting: torch.Tensor) -> None:
         """A new round for the rows in `drafting` (bool [B])."""

@@ -387,7 +387,9 @@ def _cost_lines(costs: dict[str, Any]) -> str:
             )
         for b, kinds in t.get("corrections", {}).items():
             said = ", ".join(
-                f"{k} {1e3 * c['excess_s']:+.1f} ms over {c['rounds']:.0f} rounds" for k, c in kinds.items()
+                f"{k} {1e3 * c['excess_s']:+.1f} ms over {c['rounds']:.0f} rounds"
+                + (f" ({c['checks']:.0f} taken to time it)" if c.get("checks") else "")
+                for k, c in kinds.items()
             )
             lines.append(f"\nTimed during eval at batch {b} (measured − table, mean): {said}.")
     return "\n".join(lines) + ("\n" if lines else "")
