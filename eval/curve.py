@@ -2,8 +2,10 @@
 
 At every batch size B the same rows (the eval prompts taken in turn across domains, repeated to fill max(B, 8) rows)
 are decoded B at a time by plain decoding and by each (drafter, schedule) configuration, one right after the other
-for each group of rows, so a drift of the machine's speed reaches every configuration alike. A repeated prompt gets
-its own id (and so its own random stream at T > 0): the rows of a batch are distinct decodes.
+for each group of rows, so a drift of the machine's speed reaches every configuration alike; the order is reversed
+every other group (plain first, then last), so a steady drift over a pair of groups does not favour the
+configurations that run early. A repeated prompt gets its own id (and so its own random stream at T > 0): the rows of
+a batch are distinct decodes.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def batch_curve(
     max_new_tokens: int,
     part: Callable[[list], list] = lambda groups: groups,
     progress: Callable[[int], None] | None = None,
+    reverse_first: bool = False,
 ) -> dict[tuple[int, str, str], dict[str, float]]:
     """Sums per (batch size, drafter, schedule) of tokens, seconds, drafted slots, row-rounds, tokens committed by
     them and rows.
@@ -49,13 +52,16 @@ def batch_curve(
     `run(rows, drafter, params, max_new_tokens)` decodes one batch (the engine's results); `configs` lists the
     (drafter, schedule) pairs besides plain decoding ("none", "-"), and `use(drafter, schedule)` sets a drafter's
     schedule before its run. `part` picks this process's share of the groups (multi-rank eval); `progress` is told
-    the rows done. The sums of all processes add up (`curve_points` turns them into rates)."""
+    the rows done. Each batch size's first group runs the configurations in order (plain decoding first), the next in
+    reverse, and so on; `reverse_first` starts reversed (a second pass over the sizes, for a size of one group). The
+    sums of all processes add up (`curve_points` turns them into rates)."""
     sums: dict[tuple[int, str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    order = [("none", "-"), *configs]
     for B in batches:
         rows = curve_rows(prompts, max(B, MIN_ROWS))
-        groups = part([rows[i : i + B] for i in range(0, len(rows), B)])
-        for group in groups:
-            for name, mode in [("none", "-"), *configs]:
+        groups = list(enumerate([rows[i : i + B] for i in range(0, len(rows), B)]))
+        for g, group in part(groups):
+            for name, mode in order[::-1] if (g + reverse_first) % 2 else order:
                 if name != "none":
                     use(name, mode)
                 results = run(group, name, params, max_new_tokens)

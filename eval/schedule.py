@@ -359,3 +359,19 @@ class CostSchedule:
         later = self._cost(self.width + 1, i + 1)
         self.halted = not best or (self.expected + nxt) / later < self.expected / self._cost(self.width, self.steps)
         return admitted
+
+
+def merge_corrections(ranks: Sequence[dict]) -> dict:
+    """Several schedules' `corrections` (one per rank) as one: per batch size and kind of round, the mean over all
+    their rounds (each rank's mean weighted by its rounds), the rounds and plain-pass checks summed."""
+    merged: dict = {}
+    for said in ranks:
+        for b, kinds in said.items():
+            for kind, c in kinds.items():
+                m = merged.setdefault(b, {}).setdefault(kind, {"excess_s": 0.0, "rounds": 0.0})
+                total = m["excess_s"] * m["rounds"] + c["excess_s"] * c["rounds"]
+                m["rounds"] += c["rounds"]
+                m["excess_s"] = total / m["rounds"]
+                if "checks" in c:
+                    m["checks"] = m.get("checks", 0) + c["checks"]
+    return {b: merged[b] for b in sorted(merged)}

@@ -135,7 +135,13 @@ def main() -> None:
         for rep in range(args.repeats):
             # the per-domain runs use `decoder.proposers` restricted to plain + per-schedule proposers
             sub = replace(decoder, proposers={n: proposers[n] for n in names})
-            part, div = sub.temperature([[p] for p in prompts], params, args.max_new_tokens, f"T={temperature} #{rep}")
+            part, div = sub.temperature(
+                [[p] for p in prompts],
+                params,
+                args.max_new_tokens,
+                f"T={temperature} #{rep}",
+                reverse_first=rep % 2 == 1,
+            )
             for domain, per in part.items():
                 for n, results in per.items():
                     by[domain][n].extend(results)
@@ -151,9 +157,17 @@ def main() -> None:
         sums: dict = {}
         rows = args.curve_repeats * sum(max(b, MIN_ROWS) for b in batches)
         bar = tqdm(total=rows, desc=f"batch curve T={temperature}", unit="row")
-        for _ in range(args.curve_repeats):  # all sizes once, then again: a slow minute reaches one size less
+        for rep in range(args.curve_repeats):  # all sizes once, then again: a slow minute reaches one size less
             curve = batch_curve(
-                decoder.run, configs, use, prompts, batches, params, args.max_new_tokens, progress=bar.update
+                decoder.run,
+                configs,
+                use,
+                prompts,
+                batches,
+                params,
+                args.max_new_tokens,
+                progress=bar.update,
+                reverse_first=rep % 2 == 1,  # a size of one group runs in order, then in reverse
             )
             for k, v in curve.items():
                 sums[k] = {f: sums.get(k, {}).get(f, 0.0) + x for f, x in v.items()}

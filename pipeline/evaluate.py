@@ -28,7 +28,7 @@ from draftsmith.eval.proposers import NoDraft, PromptLookup, TrainedProposer
 from draftsmith.eval.report import markdown_table, plots
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
-from draftsmith.eval.schedule import CostTable
+from draftsmith.eval.schedule import CostTable, merge_corrections
 from draftsmith.pipeline.completion import clear, stage_inputs, write_progress
 from draftsmith.pipeline.config import RunConfig
 from draftsmith.pipeline.console import console
@@ -130,20 +130,34 @@ class Decoder:
             tree=self.tree if hasattr(proposer, "propose_tree") else None,
         )
 
-    def temperature(self, mine: list[list[dict[str, Any]]], params: SamplingParams, max_new_tokens: int, desc: str):
-        """Every batch of this rank with every proposer (plain decoding first): results per domain and proposer, and
-        at T = 0, per proposer, one entry per prompt its output differs from plain decoding's on (exactness: none in
-        float32; in bf16, near-ties): the target's logit margin at the first differing token
-        (`first_difference_margin`)."""
+    def temperature(
+        self,
+        mine: list[list[dict[str, Any]]],
+        params: SamplingParams,
+        max_new_tokens: int,
+        desc: str,
+        reverse_first: bool = False,
+    ):
+        """Every batch of this rank with every proposer: results per domain and proposer, and at T = 0, per proposer,
+        one entry per prompt its output differs from plain decoding's on (exactness: none in float32; in bf16,
+        near-ties): the target's logit margin at the first differing token (`first_difference_margin`).
+
+        The proposers decode a batch one right after the other, in order (plain decoding first) for the first batch,
+        in reverse for the next, and so on (`reverse_first` starts reversed: a second repeat): a steady drift of the
+        machine's speed over a pair of batches does not favour the proposers that run early."""
         by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         diverged: dict[str, list] = defaultdict(list)
+        names = list(self.proposers)
         bar = tqdm(total=sum(len(b) for b in mine), desc=desc, unit="prompt")
-        for batch in mine:
-            plain = None
-            for name in self.proposers:
-                results = self.run(batch, name, params, max_new_tokens)
+        for i, batch in enumerate(mine):
+            ran = {
+                name: self.run(batch, name, params, max_new_tokens)
+                for name in names[:: -1 if (i + reverse_first) % 2 else 1]
+            }
+            plain = [r.tokens for r in ran["none"]]
+            for name in names:
+                results = ran[name]
                 by[batch[0]["domain"]][name].extend(results)
-                plain = plain or [r.tokens for r in results]  # "none" runs first
                 for p, r, t in zip(batch, results, plain):
                     if params.greedy and r.tokens != t:  # how near a tie the first differing token was
                         diverged[name].append(
@@ -224,12 +238,8 @@ def _batch_curve(cfg: RunConfig, decoder: Decoder, tables: dict, prompts, params
     for name in trained:
         decoder.proposers[name].schedule, decoder.proposers[name].threshold = own[name]
     if state.num_processes > 1:
-        import torch.distributed as dist
-
-        shards: list = [None] * dist.get_world_size()
-        dist.all_gather_object(shards, sums)
         merged: dict = defaultdict(lambda: defaultdict(float))
-        for shard in shards:
+        for shard in _gather_objects(sums):
             for k, s in shard.items():
                 for field, v in s.items():
                     merged[k][field] += v
@@ -308,11 +318,20 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(layout.eval_json, json.dumps(ev, indent=2))
 
+    # what every process's timed rounds said its cost table missed (eval's own schedule, or the batch curve's)
+    timed = {
+        name: schedule.corrections()
+        for name, proposer in proposers.items()
+        if (schedule := getattr(proposer, "cost_schedule", None)) is not None
+    }
+    by_rank = _gather_objects(timed) if state.num_processes > 1 else [timed]
     if state.is_main_process:  # the main process writes the merged results
-        for name, proposer in proposers.items():  # what this process's timed rounds said its cost table missed
-            schedule = getattr(proposer, "cost_schedule", None)  # eval's own, or the batch curve's
-            if name in ev["costs"] and schedule is not None:
-                ev["costs"][name]["corrections"] = schedule.corrections()
+        for name in ev["costs"]:
+            ranks = [rank_timed[name] for rank_timed in by_rank if name in rank_timed]
+            if ranks:
+                ev["costs"][name]["corrections"] = merge_corrections(ranks)
+            if len(ranks) > 1:  # each rank times its own device: kept apart too
+                ev["costs"][name]["corrections_by_rank"] = ranks
         ev["complete"] = True
         atomic_write_text(layout.eval_json, json.dumps(ev, indent=2))
         _report(layout, inputs, ev, target, model, drafter_info, len(prompts))
@@ -395,13 +414,19 @@ def _cost_lines(costs: dict[str, Any]) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def _gather_results(by: dict[str, dict[str, list]], diverged: dict[str, list]) -> tuple[dict, dict[str, list]]:
-    """Every rank's decode results and greedy divergences, merged (the statistics are sums and maxima over prompts,
-    so the order in which ranks decoded them does not matter)."""
+def _gather_objects(mine: Any) -> list:
+    """Every rank's `mine`, in rank order."""
     import torch.distributed as dist
 
     shards: list = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, ({d: dict(per) for d, per in by.items()}, dict(diverged)))
+    dist.all_gather_object(shards, mine)
+    return shards
+
+
+def _gather_results(by: dict[str, dict[str, list]], diverged: dict[str, list]) -> tuple[dict, dict[str, list]]:
+    """Every rank's decode results and greedy divergences, merged (the statistics are sums and maxima over prompts,
+    so the order in which ranks decoded them does not matter)."""
+    shards = _gather_objects(({d: dict(per) for d, per in by.items()}, dict(diverged)))
     merged: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     total: dict[str, list] = defaultdict(list)
     for rank_by, rank_diverged in shards:

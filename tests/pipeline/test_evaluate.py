@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from draftsmith.pipeline.cli import main
 from draftsmith.pipeline.collect import run_collect
 from draftsmith.pipeline.config import load_config
@@ -190,6 +192,15 @@ def test_eval_stage(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "run" / "eval-2ranks" / "eval.json").read_text())
     assert two["settings"]["processes"] == 2
+    # each rank's cost schedule timed its own rounds: both kept, and merged weighted by their rounds
+    ranks = two["costs"]["eagle3"]["corrections_by_rank"]
+    merged = two["costs"]["eagle3"]["corrections"]
+    assert len(ranks) == 2 and all(ranks)
+    for b, kinds in merged.items():
+        for kind, c in kinds.items():
+            parts = [r[b][kind] for r in ranks if kind in r.get(b, {})]
+            assert c["rounds"] == sum(p["rounds"] for p in parts)
+            assert c["excess_s"] == pytest.approx(sum(p["excess_s"] * p["rounds"] for p in parts) / c["rounds"])
     counts = ("prompts", "rounds", "drafted", "accepted", "target_passes", "new_tokens", "acceptance_by_position")
     for domain, row in first["runs"][0]["domains"].items():  # the first evaluation's T = 0 run, same settings
         for name, stats in row.items():
