@@ -7,7 +7,8 @@ Export layout: `dspark/`, a DSpark drafter in the speculators DSpark layout (the
 target); a full draft vocabulary ships no `d2t`/`t2d` (vLLM refuses them then). SGLang 0.5.23 has a DSpark drafter
 too, but it reads its own flat config, not this layout. The fitted confidence temperatures have no field in the
 layout: they travel as the extra config key `draftsmith_confidence_temperatures` (speculators' configs keep unknown
-keys; engines ignore it), so `draftsmith import` restores the calibrated drafter. Aux id L and unsorted ids are
+keys; engines ignore it), so `draftsmith import` restores the calibrated drafter; vLLM's adaptive verification reads
+the head uncalibrated (one projection for every position: per-position temperatures cannot be folded into it). Aux id L and unsorted ids are
 refused as for EAGLE-3 (`base.engine_refusal`).
 """
 
@@ -191,6 +192,10 @@ def export(model: DSparkDrafter, ctx: ExportContext) -> list[ExportedDirectory]:
         "```",
         "",
         "SGLang's DSpark drafter reads another config layout: this directory is for vLLM.",
+        "",
+        'vLLM reads the confidence head only with `"enable_adaptive_verification": true` in the speculative '
+        "config, and as a plain sigmoid: the per-position temperatures draftsmith fitted "
+        "(`draftsmith_confidence_temperatures` in config.json) are not applied there (vLLM 0.33).",
         "",
     ]
     return [ExportedDirectory("dspark", tensors, config, readme)]

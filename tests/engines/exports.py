@@ -6,6 +6,8 @@ itself. For EAGLE-3, draftsmith's own numbers are computed here, in the test pro
 computes them: the HF target runs with `AuxHooks` (the feature capture of `collect`), and the drafter's
 `ttt_forward` gives the step-0 logits. The engines' probes (subprocesses) get the exported directories, the token
 ids and, for SGLang, the inputs of every target layer (SGLang's capture point); they never import draftsmith.
+For DSpark the test computes draftsmith's numbers itself (from the source drafter, on `target_features`); the
+manifest gives vLLM's probe the context token ids (`dspark_context_ids`).
 """
 
 from __future__ import annotations
@@ -180,6 +182,33 @@ def _reference(v: Variant, model, target, work: Path) -> None:
     )
 
 
+# the context vLLM's DSpark proposer drafts a block after (tests/engines/probe_vllm.py): a prefill of this many tokens,
+# not a multiple of the emulated KV cache's block size, so context and block straddle a block boundary
+DSPARK_CONTEXT = 45
+
+
+def dspark_context_ids(vocab_size: int) -> list[int]:
+    return torch.randint(0, vocab_size, (DSPARK_CONTEXT,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def target_features(target_dir: str, aux: list[int], ids: torch.Tensor):
+    """The HF target on ids [T]: (aux features [T, n_aux*H] with draftsmith's capture (`AuxHooks`, as `collect`),
+    the final decoder state before the final norm [T, H], the target's logits [T, V])."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.data.features import AuxHooks, decoder_of
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    base = decoder_of(target)
+    final = []
+    hook = base.norm.register_forward_pre_hook(lambda _m, args: final.append(args[0]))
+    capture = AuxHooks(base, aux)
+    with torch.no_grad(), capture:
+        logits = target(ids[None]).logits[0]
+    hook.remove()
+    return capture.concat()[0], final[0][0], logits
+
+
 BF16 = ["e3-llama-1l-aux3-small", "e3-qwen3-2l-aux3-full"]  # also exported in bfloat16, for speculators
 BF16_DSPARK = [v.name for v in DSPARK]  # every DSpark variant too (speculators' DSpark forward in bfloat16)
 
@@ -187,7 +216,9 @@ BF16_DSPARK = [v.name for v in DSPARK]  # every DSpark variant too (speculators'
 def build_all(root: Path) -> dict[str, dict]:
     """Both targets and every variant under `root` (and the BF16 and BF16_DSPARK ones again as `<name>@bf16`);
     returns the manifest the probes read (also root/variants.json). `drafter` is the draftsmith checkpoint each
-    export was made from."""
+    export was made from; a DSpark entry has `context_ids`, the prefill vLLM's DSpark proposer drafts after."""
+    from transformers import AutoConfig
+
     targets = {
         "llama": save_tiny_target(root / "target-llama", seed=0, num_layers=NUM_TARGET_LAYERS, hidden_size=HIDDEN),
         "qwen3": save_tiny_qwen3_target(root / "target-qwen3"),
@@ -208,5 +239,7 @@ def build_all(root: Path) -> dict[str, dict]:
             "drafter": str(work / "drafter"),
             "reference": str(work / "reference.pt") if v.family == "eagle3" else None,
         }
+        if v.family == "dspark":
+            manifest[key]["context_ids"] = dspark_context_ids(AutoConfig.from_pretrained(targets[v.target]).vocab_size)
     (root / "variants.json").write_text(json.dumps(manifest, indent=1))
     return manifest

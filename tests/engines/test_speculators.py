@@ -18,7 +18,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tests.engines.exports import BF16, BF16_DSPARK, DSPARK, ENGINE_RTOL, HIDDEN, TOKENS, WRITTEN_EAGLE3
+from tests.engines.exports import (
+    BF16,
+    BF16_DSPARK,
+    DSPARK,
+    ENGINE_RTOL,
+    HIDDEN,
+    TOKENS,
+    WRITTEN_EAGLE3,
+    target_features,
+)
 
 pytest.importorskip("speculators", reason="installed by `make` from requirements-external.txt")
 
@@ -100,24 +109,6 @@ DSPARK_ANCHORS = 32
 DSPARK_PROMPT = 16  # leading positions outside the loss mask (a prompt): no anchor may be drawn there
 
 
-def _target_features(target_dir: str, aux: list[int], ids: torch.Tensor):
-    """The target on ids [T]: (aux features [T, n_aux*H] with draftsmith's capture (`AuxHooks`, as `collect`),
-    the final decoder state before the final norm [T, H], the target's logits [T, V])."""
-    from transformers import AutoModelForCausalLM
-
-    from draftsmith.data.features import AuxHooks, decoder_of
-
-    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    base = decoder_of(target)
-    final = []
-    hook = base.norm.register_forward_pre_hook(lambda _m, args: final.append(args[0]))
-    capture = AuxHooks(base, aux)
-    with torch.no_grad(), capture:
-        logits = target(ids[None]).logits[0]
-    hook.remove()
-    return capture.concat()[0], final[0][0], logits
-
-
 def _speculators_batch(features, last, ids, dtype):
     """The packed batch speculators' trainer feeds its model, built by its own code: one dataset item in the layout
     of `ArrowDataset._get_raw_data` + `BaseDataset.__getitem__` (emulated here: aux states concatenated in
@@ -189,7 +180,7 @@ def test_speculators_dspark_forward_matches_ours(exported, monkeypatch, key):
     ids = torch.randint(
         0, raw["transformer_layer_config"]["vocab_size"], (TOKENS,), generator=torch.Generator().manual_seed(1)
     )
-    features, last, target_logits = _target_features(entry["target_dir"], aux, ids)
+    features, last, target_logits = target_features(entry["target_dir"], aux, ids)
     batch = _speculators_batch(features, last, ids, dtype)
 
     config = DSparkDraftModel.config_class.from_pretrained(str(directory))

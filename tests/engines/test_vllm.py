@@ -1,10 +1,13 @@
-"""vLLM 0.33.0's own code on draftsmith's exports: config translation, the drafter classes, load_weights, and the
-EAGLE-3 drafter's logits against draftsmith's.
+"""vLLM 0.33.0's own code on draftsmith's exports: config translation, the drafter classes, load_weights, the
+EAGLE-3 drafter's logits and a DSpark draft block (vLLM's DSpark proposer) against draftsmith's.
 
 One subprocess (tests/engines/probe_vllm.py, PYTHONPATH=.engines) checks every exported directory of every variant
 (tests/engines/exports.py) and writes its results; the tests below assert on them. What runs is vLLM's code; what is
-emulated is listed in the probe's docstring: the 3 CPU patches of the forward (F.linear for linear layers, CustomOps
-on forward_native, Attention -> causal SDPA) and nothing else.
+emulated is listed in the probe's docstring: for EAGLE-3 the 3 CPU patches of the forward (F.linear for linear
+layers, CustomOps on forward_native, Attention -> causal SDPA); for the DSpark block the same first two, the draft
+layers' Attention -> `PagedAttention` (a paged KV cache and the backend's non-causal block attention over it, fed
+the metadata a backend builder would make), the context-K/V precompute's two CUDA kernels (rms_norm, RoPE) by
+vLLM's native implementations, and the runner state `propose` receives (one request after its prefill).
 """
 
 from __future__ import annotations
@@ -15,15 +18,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engines.exports import DSPARK, EAGLE3, ENGINE_RTOL, NUM_TARGET_LAYERS, VARIANTS, WRITTEN_EAGLE3
+from tests.engines.exports import (
+    BF16_DSPARK,
+    DSPARK,
+    EAGLE3,
+    ENGINE_RTOL,
+    NUM_TARGET_LAYERS,
+    VARIANTS,
+    WRITTEN_EAGLE3,
+    target_features,
+)
 from tests.engines.probe import run_probe
 
 DIRS = ["eagle3", "speculators"]
+# bfloat16 on both sides (vLLM's target and drafter built in bfloat16, ours cast to it), rounded after every matmul,
+# norm and residual add in a different order on each side: as tests/engines/test_speculators.py's BF16_RTOL
+BF16_RTOL = 0.05
 
 
 @pytest.fixture(scope="module")
 def vllm_results(engines, exported, tmp_path_factory):
-    manifest = {k: v for k, v in exported.items() if v["dtype"] == "float32"}
+    # every float32 export, and the bfloat16 DSpark ones for the DSpark block
+    manifest = {k: v for k, v in exported.items() if v["dtype"] == "float32" or k in [n + "@bf16" for n in BF16_DSPARK]}
     return run_probe("probe_vllm.py", manifest, tmp_path_factory.mktemp("probe-vllm"))
 
 
@@ -102,10 +118,7 @@ def test_vllm_dspark_translation_and_load(vllm_results, exported, name):
     (architecture Qwen3DSparkModel, target_layer_ids = aux - 1, block size = speculative tokens, parallel
     drafting), `get_eagle3_aux_layers_from_config` = our aux ids; vLLM's `Qwen3DSparkForCausalLM` built on CPU and
     `load_weights` takes every exported tensor (Markov head, confidence head, Qwen3 q/k norms, d2t only for a
-    reduced vocabulary). Its forward is not driven: the DFlash block attention (context K/V injected from the
-    target features into every layer, non-causal within the block) runs only inside vLLM's V2 DSpark proposer
-    with its attention metadata and KV cache, which have no CPU path; draftsmith's block math is compared with
-    speculators' modules in tests/pipeline/test_export.py instead."""
+    reduced vocabulary). What it computes: test_vllm_dspark_block_matches_ours."""
     v = VARIANTS[name]
     r = _result(vllm_results, name, "dspark")
     assert Path(r["served_model"]) == Path(exported[name]["target_dir"])
@@ -119,3 +132,99 @@ def test_vllm_dspark_translation_and_load(vllm_results, exported, name):
     assert r["placement_problems"] == {}
     assert r["fc_in_features"] == len(v.aux) * 64
     assert r["has_draft_id_to_target_id"] is not v.full_vocab
+
+
+@pytest.mark.parametrize(
+    "key", [v.name for v in DSPARK] + [n + "@bf16" for n in BF16_DSPARK], ids=lambda k: k.replace("@", "-")
+)
+def test_vllm_dspark_block_matches_ours(vllm_results, exported, key):
+    """One draft block of dspark/ through vLLM's V2 DSpark proposer (probe step 4): after a prefill of
+    DSPARK_CONTEXT tokens, vLLM's target (its Llama / Qwen3 class) captures the aux states and gives the bonus
+    token; `DSparkSpeculator` (built by its own __init__, the drafter loaded through `load_dspark_model`) prepares
+    the block with its Triton kernel (interpreted), fuses the aux states with `combine_hidden_states`, stores the
+    context K/V with `precompute_and_store_context_kv`, runs the query block through its decoder layers and
+    samples left to right with the Markov head (`_sample_sequential`, greedy), with confidences from
+    `compute_confidence`. Emulated (exactly, in the probe's docstring): F.linear, CustomOps on forward_native, the
+    draft Attention by `PagedAttention` (context keys visible to every query, the block non-causal, as vLLM marks
+    these layers), the precompute's rms_norm / RoPE CUDA kernels by vLLM's native ones, the runner's per-request
+    state.
+
+    vLLM's inputs are ours: query ids [bonus, mask_token_id x (block-1)] at positions T..T+block-1 (anchor as the
+    first prediction), context positions 0..T-1, every layer non-causal, the confidence head on. Ours: the source
+    drafter through eval's `DSparkProposer` (start on the context, one greedy round of a whole block) for the tokens
+    and confidences; its `draft_block` + `heads` for each position's biased logits, conditioned on vLLM's previous
+    token (so they are comparable past a differing token). float32: on draftsmith's feature capture of the HF
+    target (`target_features`, checked equal to vLLM's capture to ENGINE_RTOL of its scale, with the same next
+    token), the draft tokens (target ids) equal exactly, the logits agree to ENGINE_RTOL of their scale, the
+    confidences to ENGINE_RTOL. bfloat16: on the aux states vLLM's bfloat16 target captured (its drift from the
+    float32 target is not the drafter's), logits and confidences to BF16_RTOL, and every token vLLM picked is
+    within BF16_RTOL x scale of our best logit at that position (a near tie, not a different distribution)."""
+    from draftsmith.drafters.dspark import DSparkDrafter
+    from draftsmith.eval.proposers import DSparkProposer
+    from draftsmith.eval.sampling import SamplingParams
+
+    entry = exported[key]
+    dtype = getattr(torch, entry["dtype"])
+    r = _result(vllm_results, key, "dspark")
+    assert "load_error" not in r, r["load_error"]
+    assert "block_error" not in r, f"{r['block_error']}\n{r['block_traceback']}"
+    block_info = r["block"]
+    theirs = torch.load(block_info["tensors"])
+    ours = DSparkDrafter.from_pretrained(entry["drafter"]).to(dtype).eval()
+    cfg = ours.config
+    ids = torch.tensor(entry["context_ids"])
+    T, G = ids.shape[0], cfg.block_size
+    bonus = block_info["bonus"]
+
+    assert block_info["dtype"] == entry["dtype"]  # what vLLM computed in
+    # the block vLLM's own preparation made
+    assert block_info["sample_from_anchor"] is True and block_info["num_query_per_req"] == G
+    assert block_info["mask_token_id"] == cfg.mask_token_id
+    assert theirs["input_ids"].tolist() == [bonus] + [cfg.mask_token_id] * (G - 1)
+    assert theirs["positions"].tolist() == list(range(T, T + G))
+    assert theirs["sample_indices"].tolist() == list(range(G)) and int(theirs["seq_len"]) == T + G
+    assert theirs["context_positions"].tolist() == list(range(T))
+    assert block_info["attn_causal"] == [False] * cfg.num_layers
+    assert block_info["use_confidence_head"] is True
+    assert block_info["shares_target_embed"] is True
+
+    if dtype == torch.float32:
+        # draftsmith's capture on the HF target: equal to what vLLM's target captured, and the same next token
+        features, _last, target_logits = target_features(entry["target_dir"], list(cfg.aux_layer_ids), ids)
+        aux_scale = features.abs().max().item()
+        torch.testing.assert_close(theirs["aux"], features, atol=ENGINE_RTOL * aux_scale, rtol=0)
+        assert bonus == int(target_logits[-1].argmax()), "vLLM's target and the HF target disagree on the next token"
+    else:
+        # vLLM's bfloat16 target drifts from the float32 one through its 8 layers by far more than the drafter's own
+        # rounding (here up to ~15 in absolute value; its bonus token can differ): the drafter is compared on the
+        # features vLLM gave its drafter
+        features = theirs["aux"]
+
+    proposer = DSparkProposer(ours)
+    proposer.start([ids.tolist()], [bonus], features[None], torch.ones(1, T, dtype=torch.bool))
+    proposal = proposer.propose([ids.tolist() + [bonus]], [True], G, SamplingParams(), [None])
+
+    tokens = theirs["tokens"].tolist()
+    with torch.no_grad():
+        cache = ours.new_cache()
+        ours.extend_context(cache, features[None], torch.arange(T)[None])
+        h, base = ours.draft_block(cache, torch.tensor([bonus]), torch.tensor([T]))
+        prev = [bonus] + tokens[:-1]
+        mine = torch.cat([ours.heads(h[:, i], torch.tensor([prev[i]]), base[:, i])[0] for i in range(G)])
+    theirs_logits = theirs["logits"].float()
+    assert theirs_logits.shape == mine.shape, (theirs_logits.shape, mine.shape)
+
+    rtol = ENGINE_RTOL if dtype == torch.float32 else BF16_RTOL
+    scale = mine.float().abs().max().item()
+    diff = (theirs_logits - mine.float()).abs().max().item()
+    assert diff <= rtol * scale, f"logits: max |vLLM - ours| {diff:.3g} > {rtol} x scale {scale:.3g}"
+    conf_diff = (theirs["confidence"] - torch.tensor(proposal.confidences[0])).abs().max().item()
+    assert len(proposal.confidences[0]) == G and conf_diff <= rtol, f"confidences differ by {conf_diff:.3g}"
+    if dtype == torch.float32:
+        assert tokens == proposal.drafts[0], f"vLLM drafted {tokens}, draftsmith {proposal.drafts[0]}"
+    else:
+        ids_map = torch.arange(cfg.draft_vocab_size) + ours.d2t
+        picked = theirs_logits.argmax(-1)
+        assert ids_map[picked].tolist() == tokens  # vLLM's tokens are the target ids of its logits' argmax
+        gap = (mine.float().max(-1).values - mine.float().gather(1, picked[:, None])[:, 0]).max().item()
+        assert gap <= rtol * scale, f"vLLM picked a token {gap:.3g} below our best logit (scale {scale:.3g})"
