@@ -6,6 +6,32 @@ from pathlib import Path
 from typing import Any
 
 
+def cost_tables_markdown(costs: dict[str, Any]) -> str:
+    """The cost tables the schedule decided from, as markdown (ms per target pass by batch and width), each with what
+    the rounds timed said against it (`corrections`). `costs`: per drafter, a `CostTable` as a dict plus `cached`."""
+    lines = []
+    for name, t in costs.items():
+        widths = sorted({int(w) for row in t["verify"].values() for w in row})
+        lines += [
+            f"\n### Cost table: {name} ({'cached' if t['cached'] else 'measured at the start of eval'})\n",
+            "| batch | " + " | ".join(f"verify {w} slot(s)" for w in widths) + " | draft round | draft step |",
+            "|---" * (len(widths) + 3) + "|",
+        ]
+        for b, row in sorted(t["verify"].items(), key=lambda kv: int(kv[0])):
+            cells = " | ".join(f"{1e3 * row[w]:.1f} ms" if w in row else "-" for w in widths)
+            lines.append(
+                f"| {b} | {cells} | {1e3 * t['draft_round'].get(b, 0.0):.1f} ms | {1e3 * t['draft_step'].get(b, 0.0):.1f} ms |"
+            )
+        for b, kinds in t.get("corrections", {}).items():
+            said = ", ".join(
+                f"{k} {1e3 * c['excess_s']:+.1f} ms over {c['rounds']:.0f} rounds"
+                + (f" ({c['checks']:.0f} taken to time it)" if c.get("checks") else "")
+                for k, c in kinds.items()
+            )
+            lines.append(f"\nTimed during eval at batch {b} (measured − table, mean): {said}.")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def markdown_table(ev: dict[str, Any]) -> str:
     lines = []
     for run in ev["runs"]:

@@ -256,10 +256,8 @@ class CostSchedule:
     def _check_plain(self, batch: int) -> bool:
         """Whether this drafted round should be a plain one instead, to time the plain pass: fewer than one plain pass
         timed per `check_every` drafted rounds at this batch size, and fewer than `check_rounds` in all."""
-        if not self.learn_costs:
-            return False
         seen = self.excess.get(batch)
-        if seen is None:
+        if not self.learn_costs or seen is None:
             return False
         plain, drafted = seen["plain"][1], seen["draft"][1]
         return plain < min(self.check_rounds, drafted // self.check_every)

@@ -8,11 +8,13 @@ against batch size (the batch curve).
 
 Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding, then by
 every (drafter, schedule), then by plain decoding again (the A/A column: the noise of a ratio measured this way), one
-right after the other, `--repeats` times; a domain's tokens/s is its tokens over its wall time. The batch curve is
-eval's own (eval.batch_curve, `eval.curve`), with plain decoding again after the other configurations of each batch
-(A/A, the schedule "again"), summed over `--curve-repeats` runs of it. The cost tables are measured first (cached like eval's, per run and
-batch sizes). Prints the per-domain tables, the cost tables and the curve as Markdown,
-and writes OUT/bench_schedule.json and OUT/batch_curve.png.
+right after the other, `--repeats` times; the order is reversed every other prompt and every other repeat (ABBA), so a
+steady drift of the machine's speed favours no configuration. A domain's tokens/s is its tokens over its wall time.
+The batch curve is eval's own (eval.batch_curve, `eval.curve`, which reverses the order every other group), with
+plain decoding again as one more configuration (A/A, the schedule "again"), summed over `--curve-repeats` runs of it
+(the second reversed). The cost tables are measured first (cached like eval's, per run and batch sizes). Prints the
+per-domain tables, the cost tables (again at the end, with what the curve's schedules timed against them) and the
+curve as Markdown, and writes OUT/bench_schedule.json and OUT/batch_curve.png.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def main() -> None:
     from draftsmith.eval.costs import cached_costs, measure_costs
     from draftsmith.eval.curve import MIN_ROWS, batch_curve, curve_points
     from draftsmith.eval.proposers import NoDraft
-    from draftsmith.eval.report import curve_plot, curve_table
+    from draftsmith.eval.report import cost_tables_markdown, curve_plot, curve_table
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams
     from draftsmith.pipeline.config import load_config
@@ -100,6 +102,7 @@ def main() -> None:
     )
     sizes = sorted({1, *batches})
     rows = [p["ids"] for p in prompts]
+    cached: dict[str, bool] = {}
     for family in families:
         key = {
             "target": json.dumps(target.identity, sort_keys=True),
@@ -114,13 +117,13 @@ def main() -> None:
         measure = lambda f=family: measure_costs(  # noqa: E731
             decoder.runners[f], proposers[f], rows, sizes, decoder.gammas[f], cfg.eval.cost_rounds
         )
-        tables[family], cached = cached_costs(cache_root() / "costs", key, measure)
-        print(f"cost table {family} ({'cached' if cached else 'measured'})", flush=True)
+        tables[family], cached[family] = cached_costs(cache_root() / "costs", key, measure)
     use = lambda name, mode: proposers[name].use(mode, tables[name.split("/")[0]], args.threshold)  # noqa: E731
     for family in families:
         for mode in schedules:
             use(f"{family}/{mode}", mode)
-    print(_cost_markdown(tables), flush=True)
+    costs = {f: {"cached": cached[f], **asdict(t)} for f, t in tables.items()}  # eval.json's `costs` layout
+    print(cost_tables_markdown(costs), flush=True)
 
     # warm-up, untimed: allocations and kernel choice, for every configuration
     for name in proposers:
@@ -176,18 +179,14 @@ def main() -> None:
         print(curve_table([p for p in record["batch_curve"] if p["temperature"] == temperature]), flush=True)
     if record["batch_curve"]:
         curve_plot(record["batch_curve"], out / "batch_curve.png")
-    record["costs"] = {f: asdict(t) for f, t in tables.items()}
     # what the curve's cost schedules (one per drafter, kept across groups) timed against their tables
-    record["corrections"] = {}
     for family in families:
         kept = proposers[family].cost_schedule
         if kept is not None:
-            record["corrections"][family] = kept.corrections()
-            ms = {
-                b: {k: f"{1e3 * c['excess_s']:+.1f} ms/{c['rounds']:.0f}" for k, c in v.items()}
-                for b, v in kept.corrections().items()
-            }
-            print(f"{family} cost schedule, measured − table by batch size (mean/rounds): {ms}", flush=True)
+            costs[family]["corrections"] = kept.corrections()
+    record["costs"] = costs
+    if any("corrections" in t for t in costs.values()):
+        print(cost_tables_markdown({f: t for f, t in costs.items() if "corrections" in t}), flush=True)
     (out / "bench_schedule.json").write_text(json.dumps(record, indent=2, default=str))
     print(f"wrote {out / 'bench_schedule.json'}" + (f" and {out / 'batch_curve.png'}" if record["batch_curve"] else ""))
 
@@ -223,23 +222,6 @@ def _domain_markdown(run: dict, families: list[str], schedules: tuple[str, ...])
         cells = [domain, f"{pooled:.1f}"] + [f"{row[c]['tokens_per_s'] / pooled:.2f}x" for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _cost_markdown(tables: dict) -> str:
-    """Each drafter's cost table: ms of a target pass by batch size and width, and of drafting."""
-    lines = []
-    for name, t in tables.items():
-        widths = sorted({w for row in t.verify.values() for w in row})
-        lines += [
-            f"### Cost table: {name} (ms)",
-            "| batch | " + " | ".join(f"verify {w}" for w in widths) + " | draft round | draft step |",
-            "|---" * (len(widths) + 3) + "|",
-        ]
-        for b, row in sorted(t.verify.items()):
-            cells = " | ".join(f"{1e3 * row[w]:.1f}" for w in widths)
-            lines.append(f"| {b} | {cells} | {1e3 * t.draft_round[b]:.1f} | {1e3 * t.draft_step[b]:.1f} |")
-        lines.append("")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from draftsmith.eval.curve import MIN_ROWS, batch_curve, curve_points
 from draftsmith.eval.engine import TreeSpec, decode
 from draftsmith.eval.metrics import acceptance_stats, calibration, first_difference_margin
 from draftsmith.eval.proposers import NoDraft, PromptLookup, TrainedProposer
-from draftsmith.eval.report import markdown_table, plots
+from draftsmith.eval.report import cost_tables_markdown, markdown_table, plots
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
 from draftsmith.eval.schedule import CostTable, merge_corrections
@@ -381,37 +381,12 @@ def _report(layout: RunLayout, inputs, ev: dict[str, Any], target, model, drafte
         f"# draftsmith eval\n\nTarget: `{target.identity['name']}`; trained drafters: "
         f"{trained_list}; device {target.device}, "
         f"{model.dtype}; {n_prompts} prompts; schedule {ev['settings']['schedule']}.\n\n{table}\n"
-        + _cost_lines(ev.get("costs", {}))
+        + cost_tables_markdown(ev.get("costs", {}))
         + "".join(f"\n![{w}]({w})\n" for w in written)
     )
     files = [layout.eval_json.name, layout.eval_report.name, *written]
     write_manifest(out, "eval", inputs=inputs, target=target.identity, drafters=drafter_info, files=files)
     console.print(table, highlight=False)
-
-
-def _cost_lines(costs: dict[str, Any]) -> str:
-    """The cost tables the schedule decided from, as markdown (ms per target pass by batch and width)."""
-    lines = []
-    for name, t in costs.items():
-        widths = sorted({int(w) for row in t["verify"].values() for w in row})
-        lines += [
-            f"\n### Cost table: {name} ({'cached' if t['cached'] else 'measured at the start of eval'})\n",
-            "| batch | " + " | ".join(f"verify {w} slot(s)" for w in widths) + " | draft round | draft step |",
-            "|---" * (len(widths) + 3) + "|",
-        ]
-        for b, row in sorted(t["verify"].items(), key=lambda kv: int(kv[0])):
-            cells = " | ".join(f"{1e3 * row[w]:.1f} ms" if w in row else "-" for w in widths)
-            lines.append(
-                f"| {b} | {cells} | {1e3 * t['draft_round'].get(b, 0.0):.1f} ms | {1e3 * t['draft_step'].get(b, 0.0):.1f} ms |"
-            )
-        for b, kinds in t.get("corrections", {}).items():
-            said = ", ".join(
-                f"{k} {1e3 * c['excess_s']:+.1f} ms over {c['rounds']:.0f} rounds"
-                + (f" ({c['checks']:.0f} taken to time it)" if c.get("checks") else "")
-                for k, c in kinds.items()
-            )
-            lines.append(f"\nTimed during eval at batch {b} (measured − table, mean): {said}.")
-    return "\n".join(lines) + ("\n" if lines else "")
 
 
 def _gather_objects(mine: Any) -> list:

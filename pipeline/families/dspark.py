@@ -8,8 +8,8 @@ target); a full draft vocabulary ships no `d2t`/`t2d` (vLLM refuses them then). 
 too, but it reads its own flat config, not this layout. The fitted confidence temperatures have no field in the
 layout: they travel as the extra config key `draftsmith_confidence_temperatures` (speculators' configs keep unknown
 keys; engines ignore it), so `draftsmith import` restores the calibrated drafter; vLLM's adaptive verification reads
-the head uncalibrated (one projection for every position: per-position temperatures cannot be folded into it). Aux id L and unsorted ids are
-refused as for EAGLE-3 (`base.engine_refusal`).
+the head uncalibrated (one projection for every position: per-position temperatures cannot be folded into it). Aux
+id L and unsorted ids are refused as for EAGLE-3 (`base.engine_refusal`).
 """
 
 from __future__ import annotations
