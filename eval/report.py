@@ -26,6 +26,7 @@ def cost_tables_markdown(costs: dict[str, Any]) -> str:
             said = ", ".join(
                 f"{k} {1e3 * c['excess_s']:+.1f} ms over {c['rounds']:.0f} rounds"
                 + (f" ({c['checks']:.0f} taken to time it)" if c.get("checks") else "")
+                + (f" ({c['probes']:.0f} of them probes of a drafter that did not pay)" if c.get("probes") else "")
                 for k, c in kinds.items()
             )
             lines.append(f"\nTimed during eval at batch {b} (measured − table, mean): {said}.")
@@ -54,7 +55,7 @@ def markdown_table(ev: dict[str, Any]) -> str:
             cells = [domain, str(plain["prompts"]), f"{plain['tokens_per_s']:.1f}"]
             for d in drafters:
                 s = row[d]
-                cells += [f"{s['tau']:.2f}" if s["tau"] else "-", f"{s['speedup']:.2f}x" if s.get("speedup") else "-"]
+                cells += [f"{s['tau']:.2f}" if s["tau"] else "-", speedup_text(s)]
             lines.append("| " + " | ".join(cells) + " |")
         if len(run["domains"]) > 1 and run.get("overall"):
             plain = run["overall"]["none"]
@@ -63,7 +64,7 @@ def markdown_table(ev: dict[str, Any]) -> str:
                 s = run["overall"][d]
                 cells += [
                     f"**{s['tau']:.2f}**" if s["tau"] else "-",
-                    f"**{s['speedup']:.2f}x**" if s.get("speedup") else "-",
+                    speedup_text(s, bold=True),
                 ]
             lines.append("| " + " | ".join(cells) + " |")
         if run.get("greedy_divergence"):
@@ -84,6 +85,18 @@ def markdown_table(ev: dict[str, Any]) -> str:
     if ev.get("batch_curve"):
         lines.append(curve_table(ev["batch_curve"]))
     return "\n".join(lines)
+
+
+def speedup_text(stats: dict[str, Any], bold: bool = False) -> str:
+    """A speedup cell: the speedup, then its 95% interval over the prompts where one was computed
+    (`eval.metrics.speedup_interval`), e.g. "0.98x [0.93, 1.03]"; "-" where there is no speedup."""
+    if not stats.get("speedup"):
+        return "-"
+    text = f"**{stats['speedup']:.2f}x**" if bold else f"{stats['speedup']:.2f}x"
+    if stats.get("speedup_interval"):
+        lo, hi = stats["speedup_interval"]
+        text += f" [{lo:.2f}, {hi:.2f}]"
+    return text
 
 
 def curve_table(points: list[dict[str, Any]]) -> str:

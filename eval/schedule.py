@@ -168,6 +168,7 @@ class CostSchedule:
         self.excess: dict[int, dict[str, list[float]]] = {}
         self.last: tuple[int, int, int] | None = None  # (batch, width, draft steps; -1: not drafted) of this round
         self.checks: dict[int, int] = {}  # per batch size, plain rounds taken in place of drafted ones to time it
+        self.probes: dict[int, int] = {}  # per batch size, rounds that asked a drafter that did not pay again
         self.batch = 0
         # online calibration, per depth i: the predicted survival Σ c_0...c_i of the slots verified so far, and how
         # many of them were accepted (kept across decodes: only rounds already verified count, never this one's)
@@ -249,6 +250,7 @@ class CostSchedule:
         self.backoff = min(max(self.backoff, floor), self.max_backoff)
         if self.skipped >= self.backoff:  # probe, after `backoff` skipped rounds: decided by that count alone
             self.skipped, self.backoff = 0, min(2 * self.backoff, self.max_backoff)
+            self.probes[batch] = self.probes.get(batch, 0) + 1
             return True
         self.skipped += 1
         return False
@@ -307,12 +309,15 @@ class CostSchedule:
     def corrections(self) -> dict[int, dict[str, dict[str, float]]]:
         """What the rounds timed so far said the table missed: per batch size and kind of round (plain pass, wider
         pass, draft round), the mean measured − table in seconds and the rounds it is over (for the report); the
-        plain passes also say how many of them were taken in place of a drafted round to time it (`checks`)."""
+        plain passes also say how many of them were taken in place of a drafted round to time it (`checks`), the draft
+        rounds how many were probes of a drafter that did not pay (`probes`)."""
         said: dict[int, dict[str, dict[str, float]]] = {}
         for b, kinds in sorted(self.excess.items()):
             said[b] = {k: {"excess_s": t / n, "rounds": n} for k, (t, n) in kinds.items() if n}
             if "plain" in said[b]:
                 said[b]["plain"]["checks"] = self.checks.get(b, 0)
+            if "draft" in said[b]:
+                said[b]["draft"]["probes"] = self.probes.get(b, 0)
         return said
 
     def begin(self, drafting: torch.Tensor) -> None:
@@ -361,7 +366,7 @@ class CostSchedule:
 
 def merge_corrections(ranks: Sequence[dict]) -> dict:
     """Several schedules' `corrections` (one per rank) as one: per batch size and kind of round, the mean over all
-    their rounds (each rank's mean weighted by its rounds), the rounds and plain-pass checks summed."""
+    their rounds (each rank's mean weighted by its rounds), the rounds, plain-pass checks and probes summed."""
     merged: dict = {}
     for said in ranks:
         for b, kinds in said.items():
@@ -370,6 +375,7 @@ def merge_corrections(ranks: Sequence[dict]) -> dict:
                 total = m["excess_s"] * m["rounds"] + c["excess_s"] * c["rounds"]
                 m["rounds"] += c["rounds"]
                 m["excess_s"] = total / m["rounds"]
-                if "checks" in c:
-                    m["checks"] = m.get("checks", 0) + c["checks"]
+                for count in ("checks", "probes"):
+                    if count in c:
+                        m[count] = m.get(count, 0) + c[count]
     return {b: merged[b] for b in sorted(merged)}

@@ -151,6 +151,7 @@ def main() -> None:
             for n, v in div.items():
                 diverged[n] += v
         run = summarize(temperature, by, diverged, decoder.gammas, names, len(prompts) * args.repeats, params.greedy)
+        _pool(run, by, names)
         record["per_domain"].append(run)
         print(_domain_markdown(run, list(families), schedules), flush=True)
 
@@ -194,7 +195,9 @@ def main() -> None:
 def _domain_markdown(run: dict, families: list[str], schedules: tuple[str, ...]) -> str:
     """Per domain: plain tok/s, then each drafter's speedup (τ) under each schedule, then plain decoding run again
     (the A/A ratio: how far from 1.00x noise alone moves a ratio); the last row is all domains. Then the speedups
-    again, over both plain runs pooled."""
+    again, over both plain runs pooled. Each with its 95% interval over the prompts."""
+    from draftsmith.eval.report import speedup_text
+
     cols = [f"{f}/{m}" for f in families for m in schedules] + [AGAIN]
     lines = [
         f"### T = {run['temperature']}, batch 1: speedup over plain decoding (τ)",
@@ -205,7 +208,7 @@ def _domain_markdown(run: dict, families: list[str], schedules: tuple[str, ...])
     for domain, row in rows:
         plain = row["none"]
         cells = [domain, str(plain["prompts"]), f"{plain['tokens_per_s']:.1f}"]
-        cells += [f"{row[c]['speedup']:.2f}x ({row[c]['tau']:.2f})" for c in cols]
+        cells += [f"{speedup_text(row[c])} ({row[c]['tau']:.2f})" for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     # the same against both plain runs pooled (before and after every other configuration): a drift of the machine's
     # speed during a prompt's configurations then moves the baseline with it
@@ -219,9 +222,30 @@ def _domain_markdown(run: dict, families: list[str], schedules: tuple[str, ...])
     for domain, row in rows:
         runs = (row["none"], row[AGAIN])
         pooled = sum(r["new_tokens"] for r in runs) / sum(r["seconds"] for r in runs)
-        cells = [domain, f"{pooled:.1f}"] + [f"{row[c]['tokens_per_s'] / pooled:.2f}x" for c in cols]
+        cells = [domain, f"{pooled:.1f}"] + [speedup_text(row[c]["pooled"]) for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append(
+        "\nIn square brackets: the 95% interval over the domain's prompts and repeats (a bootstrap paired by prompt, "
+        "eval.metrics.speedup_interval); the A/A column's intervals above show how far noise alone moves a ratio."
+    )
     return "\n".join(lines) + "\n"
+
+
+def _pool(run: dict, by: dict, names: list[str]) -> None:
+    """Each configuration's speedup over both plain runs pooled (before and after it: a drift of the machine's speed
+    during a prompt's configurations moves that baseline with it), with its interval, as `pooled` next to the speedup
+    over the first plain run; plain decoding again gets the interval of its speedup over the first run."""
+    from draftsmith.eval.metrics import speedup_interval
+
+    everything = {n: [r for per in by.values() for r in per[n]] for n in names}
+    for row, per in [*((run["domains"][d], by[d]) for d in by), (run["overall"], everything)]:
+        base = [per["none"], per[AGAIN]]
+        plain_rate = sum(len(r.tokens) for p in base for r in p) / sum(r.seconds for p in base for r in p)
+        for n in names[1:-1]:
+            interval = speedup_interval(per[n], base)
+            row[n]["pooled"] = {"speedup": row[n]["tokens_per_s"] / plain_rate}
+            if interval is not None:
+                row[n]["pooled"]["speedup_interval"] = [round(x, 4) for x in interval]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from draftsmith.data.sources import iter_conversations
 from draftsmith.eval.costs import cached_costs, measure_costs
 from draftsmith.eval.curve import MIN_ROWS, batch_curve, curve_points
 from draftsmith.eval.engine import TreeSpec, decode
-from draftsmith.eval.metrics import acceptance_stats, calibration, first_difference_margin
+from draftsmith.eval.metrics import acceptance_stats, calibration, first_difference_margin, speedup_interval
 from draftsmith.eval.proposers import NoDraft, PromptLookup, TrainedProposer
 from draftsmith.eval.report import cost_tables_markdown, markdown_table, plots
 from draftsmith.eval.runner import HFTarget
@@ -347,6 +347,7 @@ def summarize(temperature, by, diverged, gammas, names, n_prompts, greedy) -> di
         for name in row:
             if name != "none" and row["none"]["tokens_per_s"]:
                 row[name]["speedup"] = row[name]["tokens_per_s"] / row["none"]["tokens_per_s"]
+                _interval(row[name], per[name], per["none"])
         domains[domain] = row
     overall = {}
     for name in names:
@@ -355,10 +356,19 @@ def summarize(temperature, by, diverged, gammas, names, n_prompts, greedy) -> di
         overall[name]["calibration"] = calibration(results)
         if name != "none":
             overall[name]["speedup"] = overall[name]["tokens_per_s"] / overall["none"]["tokens_per_s"]
+            _interval(overall[name], results, [r for per in by.values() for r in per["none"]])
     run = {"temperature": temperature, "drafters": names, "domains": domains, "overall": overall}
     if greedy:
         run["greedy_divergence"] = {n: _divergence(diverged.get(n, []), n_prompts) for n in names if n != "none"}
     return run
+
+
+def _interval(stats: dict[str, Any], results: list, plain: list) -> None:
+    """The speedup's 95% interval over the prompts (`eval.metrics.speedup_interval`), where there are enough: a
+    speedup over a handful of prompts on a shared machine is a few percent uncertain, and the report says how much."""
+    interval = speedup_interval(results, [plain])
+    if interval is not None:
+        stats["speedup_interval"] = [round(x, 4) for x in interval]
 
 
 def _divergence(margins: list, n_prompts: int) -> dict[str, Any]:
@@ -400,7 +410,8 @@ def _gather_objects(mine: Any) -> list:
 
 def _gather_results(by: dict[str, dict[str, list]], diverged: dict[str, list]) -> tuple[dict, dict[str, list]]:
     """Every rank's decode results and greedy divergences, merged (the statistics are sums and maxima over prompts,
-    so the order in which ranks decoded them does not matter)."""
+    so the order in which ranks decoded them does not matter; every configuration's list is extended in the same rank
+    order, so its i-th result stays paired with plain decoding's i-th, which the speedup's interval needs)."""
     shards = _gather_objects(({d: dict(per) for d, per in by.items()}, dict(diverged)))
     merged: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     total: dict[str, list] = defaultdict(list)

@@ -53,6 +53,7 @@ def test_rounds_without_drafting_back_off_and_probe_again():
     s = CostSchedule(cheap)  # a round costs 0.1% of a plain step: n = 1
     decisions = [s.worth_drafting(low, on) for _ in range(16)]
     assert [i for i, d in enumerate(decisions) if d] == [1, 4, 9]  # after 1 skipped round, then 2, then 4
+    assert s.probes == {1: 3}  # counted for the report
     assert s.worth_drafting(torch.tensor([0.9], dtype=torch.float64), on)  # paying again: drafts, backoff reset
     assert s.backoff == 1
     s = CostSchedule(TABLE)  # a round costs 10% of a plain step: n = 0.1 / 0.02 = 5

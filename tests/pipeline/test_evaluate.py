@@ -201,6 +201,13 @@ def test_eval_stage(tmp_path):
             parts = [r[b][kind] for r in ranks if kind in r.get(b, {})]
             assert c["rounds"] == sum(p["rounds"] for p in parts)
             assert c["excess_s"] == pytest.approx(sum(p["excess_s"] * p["rounds"] for p in parts) / c["rounds"])
+            for count in ("checks", "probes"):
+                assert c.get(count, 0) == sum(p.get(count, 0) for p in parts)
+    # the speedup's interval over the prompts of both ranks, paired by prompt after the gather
+    for name, stats in two["runs"][0]["overall"].items():
+        if name != "none":
+            lo, hi = stats["speedup_interval"]
+            assert lo <= stats["speedup"] <= hi, name
     counts = ("prompts", "rounds", "drafted", "accepted", "target_passes", "new_tokens", "acceptance_by_position")
     for domain, row in first["runs"][0]["domains"].items():  # the first evaluation's T = 0 run, same settings
         for name, stats in row.items():
