@@ -43,6 +43,12 @@ def main() -> None:
     ap.add_argument("--curve-schedules", default="fixed,threshold,cost", help="schedules on the batch curve")
     ap.add_argument("--schedules", default="fixed,threshold,cost", help="schedules in the per-domain tables")
     ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument(
+        "--table-batches",
+        default="",
+        help="batch sizes to measure the cost tables at (default: 1 and --batches); a superset of --batches reuses "
+        "the tables a wider run cached",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -100,7 +106,7 @@ def main() -> None:
         f"{model.dtype}, {torch.get_num_threads()} threads, CPU kernels {torch.backends.cpu.get_cpu_capability()}",
         flush=True,
     )
-    sizes = sorted({1, *batches})
+    sizes = sorted({1, *batches, *(int(b) for b in args.table_batches.split(",") if b)})
     rows = [p["ids"] for p in prompts]
     cached: dict[str, bool] = {}
     for family in families:
