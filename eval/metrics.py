@@ -99,7 +99,9 @@ def speedup_interval(
     run: plain decoding before, and again after). Prompts are resampled with their pairs: `results[i]` and every
     `plain[i]` decoded the same prompt one right after another, so a prompt that is slow for every configuration (a
     long answer, a slow minute of the machine) moves both sides of its ratio, and only what differs between them is
-    the noise. None when there are fewer than 2 prompts or the lists do not pair up.
+    the noise. None when there are fewer than 2 prompts or the lists do not pair up. Rows decoded in one batch
+    (eval.batch_size > 1) share its time equally, so they are not independent and the interval is too narrow there;
+    the speedup tables that matter for latency run at batch 1.
 
     Written by hand (no SciPy here): a few lines, seeded, so the same results give the same interval."""
     n = len(results)
