@@ -19,6 +19,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from draftsmith.eval.engine import decode
 from draftsmith.eval.proposers import NoDraft
 from draftsmith.eval.sampling import SamplingParams
@@ -77,8 +79,6 @@ def measure_costs(
 ) -> CostTable:
     """The cost table of `proposer` (its schedule and threshold off while measuring) on `runner`'s target, with a
     progress bar over its decodes (minutes at batch 64 on a CPU)."""
-    from tqdm import tqdm
-
     saved = (getattr(proposer, "schedule", None), getattr(proposer, "threshold", None))
     proposer.schedule, proposer.threshold = None, None
     greedy = SamplingParams()

@@ -105,7 +105,7 @@ def speedup_interval(
 
     Written by hand (no SciPy here): a few lines, seeded, so the same results give the same interval."""
     n = len(results)
-    if n < 2 or any(len(p) != n for p in plains) or not plains:
+    if n < 2 or not plains or any(len(p) != n for p in plains):
         return None
     tokens = [len(r.tokens) for r in results]
     seconds = [r.seconds for r in results]

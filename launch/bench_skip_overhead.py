@@ -11,9 +11,8 @@ configuration draws from the same seeded generator per prompt and verifies no sl
 
 import argparse
 import statistics
-import time
 
-from draftsmith.eval.engine import decode
+from draftsmith.eval.engine import clock, decode
 from draftsmith.eval.proposers import NoDraft
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
@@ -44,9 +43,9 @@ never = CostTable({1: {1: 1.0, 2: 100.0}}, {1: 1.0}, {1: 100.0})
 configs = {"plain": (HFTarget(model, [], tok.pad_token_id), NoDraft())}
 for fam in cfg.train.drafters:
     d = load_drafter(trained_drafter(cfg, target.identity, None, fam)).to(target.device, model.dtype)
-    hooked = HFTarget(model, get_family(fam).proposer(d, cfg.eval).aux_ids, tok.pad_token_id)
-    configs["plain+hooks"] = (hooked, NoDraft())
     p = get_family(fam).proposer(d, cfg.eval)
+    hooked = HFTarget(model, p.aux_ids, tok.pad_token_id)
+    configs["plain+hooks"] = (hooked, NoDraft())
     p.schedule = CostSchedule(never, learn_costs=False)
     p.schedule.max_backoff = 10**9
     configs[f"{fam} skipping"] = (hooked, p)
@@ -60,9 +59,9 @@ configs["plain again"] = (HFTarget(model, [], tok.pad_token_id), NoDraft())
 def run(name: str, chunk: list, start: int) -> float:
     r, p = configs[name]
     gens = [make_generator(target.device, derive_seed(0, start + i)) for i in range(len(chunk))]
-    t0 = time.perf_counter()
+    t0 = clock(target.device)  # synchronizes a CUDA device before reading the time
     res = decode(r, p, chunk, params, cfg.eval.draft_length, args.max_new_tokens, [], generators=gens)
-    dt = time.perf_counter() - t0
+    dt = clock(target.device) - t0
     assert all(d == 0 for x in res for d, _ in x.rounds), f"{name} verified a draft slot"
     texts[name].append([x.tokens for x in res])
     return sum(len(x.tokens) for x in res) / dt
