@@ -27,6 +27,11 @@ def cost_tables_markdown(costs: dict[str, Any]) -> str:
                 f"{k} {1e3 * c['excess_s']:+.1f} ms over {c['rounds']:.0f} rounds"
                 + (f" ({c['checks']:.0f} taken to time it)" if c.get("checks") else "")
                 + (f" ({c['probes']:.0f} of them probes of a drafter that did not pay)" if c.get("probes") else "")
+                + (
+                    f" ({c['explores']:.0f} of them verifying a slot only to time the pass)"
+                    if c.get("explores")
+                    else ""
+                )
                 for k, c in kinds.items()
             )
             lines.append(f"\nTimed during eval at batch {b} (measured − table, mean): {said}.")

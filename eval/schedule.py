@@ -32,9 +32,12 @@ less above the plain pass than the table has it). Both sides of the decision mus
 every round times no plain pass, so while drafting pays by less than `check_margin` (the decision hangs on the
 timings) it takes a plain round now and then (`check_every`, until `check_rounds` plain passes are timed at that
 batch size). A table that made verifying two slots look as cheap as one, or a plain pass look dearer than it is, is
-corrected after the few rounds that drafted on it. One that made a wider pass look dearer than it is is not (no wider
-pass is run to show it, and corrections only raise the cost of verifying more): the error costs speedup there, never
-a round slower than plain.
+corrected after the few rounds that drafted on it. One that made a wider pass look dearer than it is would never be:
+no wider pass is run to show it. So while fewer than `explore_rounds` wider passes are timed at a batch size, a
+drafted round whose first slot does not pay by the table verifies the likeliest row's first slot anyway, when that
+is predicted to cost at most `explore_margin` of the round's rate; and once plain and wider passes have both been
+timed, their difference may lower the wider pass's increment (on one AMD EPYC, two tables measured minutes apart put
+a second slot at +0% and +12% of a 32 ms pass, and EAGLE-3 drafted on the first and never on the second).
 
 Non-anticipating: whether slot i is verified depends on the confidences c_0..c_i of the rows, which the drafter
 computes before drawing x_i, never on x_i or anything drawn after it; so the verifier's output keeps the target's
@@ -156,6 +159,11 @@ class CostSchedule:
     """Drafted rounds per plain round taken to time the plain pass (while the margin is under `check_margin`)."""
     check_rounds = 16
     """Plain passes timed at a batch size after which no more plain rounds are taken to time it."""
+    explore_rounds = 4
+    """Wider passes timed at a batch size below which a drafted round that admits nothing verifies one slot anyway,
+    to time a wider pass (a table can make it look dearer than it is, and nothing else would run one)."""
+    explore_margin = 0.25
+    """Most share of a round's predicted rate such a round may give up to time a wider pass."""
 
     def __init__(self, costs: CostTable, learn_costs: bool = True):
         self.costs = costs
@@ -169,6 +177,7 @@ class CostSchedule:
         self.last: tuple[int, int, int] | None = None  # (batch, width, draft steps; -1: not drafted) of this round
         self.checks: dict[int, int] = {}  # per batch size, plain rounds taken in place of drafted ones to time it
         self.probes: dict[int, int] = {}  # per batch size, rounds that asked a drafter that did not pay again
+        self.explores: dict[int, int] = {}  # per batch size, slots verified to time a wider pass (not by the rate)
         self.batch = 0
         # online calibration, per depth i: the predicted survival Σ c_0...c_i of the slots verified so far, and how
         # many of them were accepted (kept across decodes: only rounds already verified count, never this one's)
@@ -272,16 +281,34 @@ class CostSchedule:
     def verify_time(self, width: int, batch: int) -> float:
         """The table's pass time corrected by this schedule's measured rounds. A wider pass takes the plain pass's
         correction until wider passes have been timed (a machine running slower now is slower at every width), and
-        never costs less over the plain pass than the table says: a correction may make verifying dearer, never
-        cheaper. (A schedule that drafts every round times no plain pass; had wider passes timed below the table
-        made them as cheap as the plain pass's stale figure, drafting would look free.)"""
+        costs less over the plain pass than the table says only by what both sides timed show (`_narrower`). (A
+        schedule that drafts every round times no plain pass; had wider passes timed below the table made them as
+        cheap as the plain pass's stale figure, drafting would look free.)"""
         plain_excess = self._shrunk(batch, "plain")
         table_plain = self.costs.verify_time(1, batch)
         plain = table_plain + plain_excess
         if width == 1:
             return plain
         table = self.costs.verify_time(width, batch)
-        return max(table + self._shrunk(batch, "wide", plain_excess), plain + table - table_plain)
+        return max(
+            table + self._shrunk(batch, "wide", plain_excess), plain + table - table_plain + self._narrower(batch)
+        )
+
+    def _narrower(self, batch: int) -> float:
+        """How much less than the table the increment of a wider pass over a plain one is, as timed (≤ 0): the mean
+        wider-pass excess less the mean plain-pass excess, shrunk toward 0 by `cost_prior` against the fewer of the two
+        counts, so that it needs both sides timed (a stale plain figure never makes a wider pass look cheap), and never
+        below a plain pass."""
+        seen = self.excess.get(batch)
+        if seen is None:
+            return 0.0
+        (wide, n_wide), (plain, n_plain) = seen["wide"], seen["plain"]
+        n = min(n_wide, n_plain)
+        if not n:
+            return 0.0
+        diff = wide / n_wide - plain / n_plain
+        table = self.costs.verify_time(2, batch) - self.costs.verify_time(1, batch)
+        return max(min(diff * n / (n + self.cost_prior), 0.0), -table)
 
     def round_time(self, batch: int) -> float:
         """The table's draft round corrected by the measured ones (which also hold the catch-up over skipped
@@ -310,7 +337,8 @@ class CostSchedule:
         """What the rounds timed so far said the table missed: per batch size and kind of round (plain pass, wider
         pass, draft round), the mean measured − table in seconds and the rounds it is over (for the report); the
         plain passes also say how many of them were taken in place of a drafted round to time it (`checks`), the draft
-        rounds how many were probes of a drafter that did not pay (`probes`)."""
+        rounds how many were probes of a drafter that did not pay (`probes`), the wider passes how many verified a slot
+        only to time one (`explores`)."""
         said: dict[int, dict[str, dict[str, float]]] = {}
         for b, kinds in sorted(self.excess.items()):
             said[b] = {k: {"excess_s": t / n, "rounds": n} for k, (t, n) in kinds.items() if n}
@@ -318,6 +346,8 @@ class CostSchedule:
                 said[b]["plain"]["checks"] = self.checks.get(b, 0)
             if "draft" in said[b]:
                 said[b]["draft"]["probes"] = self.probes.get(b, 0)
+            if "wide" in said[b]:
+                said[b]["wide"]["explores"] = self.explores.get(b, 0)
         return said
 
     def begin(self, drafting: torch.Tensor) -> None:
@@ -350,6 +380,9 @@ class CostSchedule:
             gain += float(s[b])
             if (self.expected + gain) / wider >= rate and gain > best_gain:
                 best, best_gain = len(taken), gain
+        if i == 0 and not best and order and self._explore(rate, wider, float(s[order[0]])):
+            best, best_gain = 1, float(s[order[0]])
+            self.explores[self.batch] = self.explores.get(self.batch, 0) + 1
         admitted = torch.zeros_like(drafting)
         if best:
             admitted[torch.tensor(taken[:best])] = True
@@ -363,10 +396,27 @@ class CostSchedule:
         self.halted = not best or (self.expected + nxt) / later < self.expected / self._cost(self.width, self.steps)
         return admitted
 
+    def _explore(self, rate: float, wider: float, survival: float) -> bool:
+        """Whether a drafted round whose first slot does not pay verifies the likeliest one anyway (survival
+        `survival`), to time a wider pass: fewer than `explore_rounds` timed at this batch size and none of them showing
+        the increment at or above the table's, a plain pass timed (the increment is their difference), and the
+        round's predicted rate at least 1 − `explore_margin` of its rate without it. Decided from confidences and
+        counts, never from the slot's drafted token."""
+        seen = self.excess.get(self.batch)
+        if not self.learn_costs or self.last is None or seen is None:
+            return False
+        (wide, n_wide), (plain, n_plain) = seen["wide"], seen["plain"]
+        if n_wide >= self.explore_rounds or not n_plain:
+            return False
+        if n_wide and wide / n_wide >= plain / n_plain:  # the wider passes timed were no cheaper than the table's
+            return False
+        return (self.expected + survival) / wider >= (1 - self.explore_margin) * rate
+
 
 def merge_corrections(ranks: Sequence[dict]) -> dict:
     """Several schedules' `corrections` (one per rank) as one: per batch size and kind of round, the mean over all
-    their rounds (each rank's mean weighted by its rounds), the rounds, plain-pass checks and probes summed."""
+    their rounds (each rank's mean weighted by its rounds), the rounds, plain-pass checks, probes and explores
+    summed."""
     merged: dict = {}
     for said in ranks:
         for b, kinds in said.items():
@@ -375,7 +425,7 @@ def merge_corrections(ranks: Sequence[dict]) -> dict:
                 total = m["excess_s"] * m["rounds"] + c["excess_s"] * c["rounds"]
                 m["rounds"] += c["rounds"]
                 m["excess_s"] = total / m["rounds"]
-                for count in ("checks", "probes"):
+                for count in ("checks", "probes", "explores"):
                     if count in c:
                         m[count] = m.get(count, 0) + c[count]
     return {b: merged[b] for b in sorted(merged)}

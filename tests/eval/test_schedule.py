@@ -211,6 +211,36 @@ def test_a_schedule_that_drafts_every_round_times_the_plain_pass_too():
     assert run(sure, 0.9) == [1] * 80 and not sure.checks
 
 
+def test_a_table_that_makes_a_wider_pass_too_dear_is_corrected_by_timing_one():
+    """The table puts a pass two slots wide at 1.12 (a plain one 1.0, a draft round 0.02); the machine runs both at
+    1.0, as two tables of one AMD EPYC measured minutes apart disagreed by 12% on a 32 ms pass. A first slot at 0.1
+    does not pay by the table ((1 + 0.1) / 1.14 against 1 / 1.0) and does in truth (1.1 / 1.02), so the schedule
+    skips and probes, and a probe admits nothing either ((1.1) / 1.14 < 1 / 1.02). So no wider pass would ever be
+    timed: while fewer than `explore_rounds` are, a probe verifies its likeliest slot anyway (its rate within
+    `explore_margin`). Timed at 1.0, with plain passes timed too, the increment over the plain pass shrinks
+    (0.12 − 0.12 n / (n + 2)), drafting pays, and the schedule drafts (a plain round every 4 drafted ones to time the
+    plain pass, up to 16). Without the exploring slot (`explore_rounds` 0) it never verifies a slot; without the
+    increment's correction (the mutation of `_narrower`) it verifies only the 4 exploring ones.
+    With a table that is right (wider passes do take 1.12), one exploring slot shows it and none follows; where the
+    slot would cost more than `explore_margin` of the round's rate, none is verified."""
+    dear = CostTable(verify={1: {1: 1.0, 2: 1.12}}, draft_step={1: 0.07}, draft_round={1: 0.02})
+    s = CostSchedule(dear)
+    slots = [_round(s, 0.1, 1.0, 1.0, 0.02) for _ in range(120)]
+    assert s.explores == {1: 1} and sum(slots) >= 90 and slots[-30:] == [1] * 30, slots
+    assert s.verify_time(2, 1) == pytest.approx(1.0, abs=0.02)
+    assert s.corrections()[1]["wide"]["explores"] == 1
+    never = CostSchedule(dear)
+    never.explore_rounds = 0
+    assert sum(_round(never, 0.1, 1.0, 1.0, 0.02) for _ in range(120)) == 0
+    right = CostSchedule(dear)
+    assert sum(_round(right, 0.1, 1.0, 1.12, 0.02) for _ in range(120)) == 1 and right.explores == {1: 1}
+    assert right.verify_time(2, 1) == pytest.approx(1.12)
+    # where a second slot costs 62% more (fp32 on an AVX2-only EPYC), verifying one at 0.1 would cost a third of the
+    # round's rate ((1.1) / 1.64 against 1 / 1.02): beyond `explore_margin`, so none is verified to time it
+    steep = CostSchedule(CostTable(verify={1: {1: 1.0, 2: 1.62}}, draft_step={1: 0.07}, draft_round={1: 0.02}))
+    assert sum(_round(steep, 0.1, 1.0, 1.62, 0.02) for _ in range(120)) == 0 and not steep.explores
+
+
 def test_the_engine_reports_every_round_to_the_schedule(tiny64):
     """Every round of a decode is timed to the schedule, as a plain pass or a wider one as it verified (EAGLE-3, one
     row: rounds it skipped and rounds it drafted)."""

@@ -201,7 +201,7 @@ def test_eval_stage(tmp_path):
             parts = [r[b][kind] for r in ranks if kind in r.get(b, {})]
             assert c["rounds"] == sum(p["rounds"] for p in parts)
             assert c["excess_s"] == pytest.approx(sum(p["excess_s"] * p["rounds"] for p in parts) / c["rounds"])
-            for count in ("checks", "probes"):
+            for count in ("checks", "probes", "explores"):
                 assert c.get(count, 0) == sum(p.get(count, 0) for p in parts)
     # the speedup's interval over the prompts of both ranks, paired by prompt after the gather
     for name, stats in two["runs"][0]["overall"].items():
