@@ -113,6 +113,10 @@ class TrainedProposer(NoDraft):
     """The cost-based admission rule (set by eval; None: the threshold rule, or fixed lengths)."""
     cost_schedule: CostSchedule | None = None
     """The last cost schedule `use` made, kept while another rule is in use."""
+    pending: list[tuple[torch.Tensor, ...]]
+    """Verified slots the drafter has not run over yet, one entry per round (the first: the prompts)."""
+    prompt_pending = False
+    """Whether `pending` still holds the prompts (set by `start`)."""
     c0: torch.Tensor
     """[B] each row's first-slot confidence of the last round it drafted (what the schedule predicts from; NaN for a
     row that has not drafted yet)."""
@@ -179,6 +183,13 @@ class TrainedProposer(NoDraft):
     def timed(self, verify_seconds: float, draft_seconds: float) -> None:
         if self.schedule is not None:
             self.schedule.timed(verify_seconds, draft_seconds)
+
+    def _catching_up(self) -> None:
+        """Before the drafter's update over `pending`: tell the schedule when that is more than the last round's
+        verified slots (a decode's prompt, or rounds skipped), so the time is counted as a catch-up."""
+        if self.schedule is not None and (len(self.pending) > 1 or self.prompt_pending):
+            self.schedule.catching_up()
+        self.prompt_pending = False
 
     def _skip_round(self, active) -> bool:
         """Whether this round drafts nothing at all (a plain target step, with no drafter work), decided by the
@@ -249,7 +260,8 @@ class Eagle3Proposer(TrainedProposer):
         self.pos = torch.tensor([len(p) for p in prompts])  # next step-0 position per row
         # the prompts reach the drafter when it first drafts (`_sync`): a decode the schedule never drafts in costs
         # it nothing, not even this prefill; without a schedule, at once
-        self.pending: list[tuple[torch.Tensor, ...]] = [(feats, nxt, valid, positions)]
+        self.pending = [(feats, nxt, valid, positions)]
+        self.prompt_pending = True
         if self.schedule is None:
             self._sync()
         self._reset_schedule(B)
@@ -259,6 +271,7 @@ class Eagle3Proposer(TrainedProposer):
         pass: the cache ends as if every round had been committed at once. Its last slot per row gives step 0."""
         if not self.pending:
             return
+        self._catching_up()
         feats, toks, valid, positions = (torch.cat([c[i] for c in self.pending], 1) for i in range(4))
         self.pending = []
         n = valid.shape[1]
@@ -392,7 +405,8 @@ class DSparkProposer(TrainedProposer):
         self.pos = torch.tensor([len(p) for p in prompts])  # anchor position per row
         self.anchor = torch.tensor(list(firsts))
         # projected when the drafter first drafts (`_sync`), as EAGLE-3's prompt is; without a schedule, at once
-        self.pending: list[tuple[torch.Tensor, ...]] = [(feats, valid, (valid.long().cumsum(1) - 1).clamp_min(0))]
+        self.pending = [(feats, valid, (valid.long().cumsum(1) - 1).clamp_min(0))]
+        self.prompt_pending = True
         if self.schedule is None:
             self._sync()
         self._reset_schedule(valid.shape[0])
@@ -400,6 +414,7 @@ class DSparkProposer(TrainedProposer):
     def _sync(self) -> None:
         """Project the verified slots the drafter has not seen into its context, in one pass."""
         if self.pending:
+            self._catching_up()
             feats, valid, positions = (torch.cat([c[i] for c in self.pending], 1) for i in range(3))
             self.pending = []
             self._extend(feats, valid, positions)

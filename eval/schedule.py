@@ -27,7 +27,8 @@ same machine a minute later (on one AMD EPYC the same plain batch-4 pass was tim
 tables of one day). So every round the engine's own timers report what the round cost (`timed`), and the schedule
 corrects the table with it, per batch size: a plain pass, a wider pass and a draft round each get the mean of
 (measured − table) over the rounds seen (a pass clipped to half or twice the table: a stall of the machine is not
-its speed), shrunk toward 0 by `cost_prior` rounds (a wider pass shrunk toward the plain pass's correction, and never
+its speed; a draft round that catches up on a prompt or on skipped rounds timed apart: it sets how long a probe
+waits, not what a stretch of drafting costs), shrunk toward 0 by `cost_prior` rounds (a wider pass shrunk toward the plain pass's correction, and never
 less above the plain pass than the table has it). Both sides of the decision must be timed: a schedule that drafts
 every round times no plain pass, so while drafting pays by less than `check_margin` (the decision hangs on the
 timings) it takes a plain round now and then (`check_every`, until `check_rounds` plain passes are timed at that
@@ -175,6 +176,7 @@ class CostSchedule:
         # per batch size, (sum of measured − table, rounds) of plain passes, wider passes and draft rounds
         self.excess: dict[int, dict[str, list[float]]] = {}
         self.last: tuple[int, int, int] | None = None  # (batch, width, draft steps; -1: not drafted) of this round
+        self.behind = False  # this round's drafter update is a catch-up (`catching_up`)
         self.checks: dict[int, int] = {}  # per batch size, plain rounds taken in place of drafted ones to time it
         self.probes: dict[int, int] = {}  # per batch size, rounds that asked a drafter that did not pay again
         self.explores: dict[int, int] = {}  # per batch size, slots verified to time a wider pass (not by the rate)
@@ -242,9 +244,9 @@ class CostSchedule:
                 new += pooled
             elif a:
                 seen += min(c * ratio, 1.0)
-        plain_step, probe = self.verify_time(1, batch), self.round_time(batch)
+        plain_step = self.verify_time(1, batch)
         plain = n / plain_step
-        pass_cost = probe + self.verify_time(2, batch)
+        pass_cost = self.round_time(batch) + self.verify_time(2, batch)
         self.last = (batch, 1, -1)  # a round that does not draft: one plain pass (until `begin` says otherwise)
         if (n + seen + new) / pass_cost >= plain:
             if (n + seen) / pass_cost >= plain:  # the rows' own confidences say it pays: no backoff
@@ -255,7 +257,7 @@ class CostSchedule:
             self.skipped = 0
             return True
         # a probe costs a draft round: wait until the rounds skipped since the last one make it a small share
-        floor = math.ceil(probe / (self.probe_share * plain_step))
+        floor = math.ceil(self.probe_time(batch) / (self.probe_share * plain_step))
         self.backoff = min(max(self.backoff, floor), self.max_backoff)
         if self.skipped >= self.backoff:  # probe, after `backoff` skipped rounds: decided by that count alone
             self.skipped, self.backoff = 0, min(2 * self.backoff, self.max_backoff)
@@ -311,41 +313,59 @@ class CostSchedule:
         return max(min(diff * n / (n + self.cost_prior), 0.0), -table)
 
     def round_time(self, batch: int) -> float:
-        """The table's draft round corrected by the measured ones (which also hold the catch-up over skipped
-        rounds, the update with the verified tokens and the drafter's bookkeeping)."""
+        """The table's draft round corrected by the measured ones that followed a drafted round (the update with the
+        last round's verified tokens and the drafter's bookkeeping): what each round of a stretch of drafting costs.
+        A catch-up is timed apart (`probe_time`): counted here, one probe's catch-up over the prompts of 64 rows and
+        the rounds skipped (+415 ms on a 13 ms round, on an AMX Xeon) made every later round look 10x dearer to draft."""
         return max(self.costs.round_time(batch) + self._shrunk(batch, "draft"), 0.0)
+
+    def probe_time(self, batch: int) -> float:
+        """What asking the drafter again after skipped rounds costs: the table's draft round corrected by the
+        measured catch-ups (the drafter's pass over the prompt or the rounds it skipped, in one go), shrunk toward
+        the correction of the rounds that did not catch up. Sets how many rounds a probe waits."""
+        toward = self._shrunk(batch, "draft")
+        return max(self.costs.round_time(batch) + self._shrunk(batch, "catch-up", toward), 0.0)
+
+    def catching_up(self) -> None:
+        """Called by the proposer when this round's drafter update runs over more than the last round's verified slots
+        (a new decode's prompt, or rounds it skipped): its drafting time is a catch-up, timed apart."""
+        self.behind = True
 
     def timed(self, verify_seconds: float, draft_seconds: float) -> None:
         """The round just run took `verify_seconds` in its target pass and `draft_seconds` drafting (the engine's
         timers): what it cost beyond the table is remembered for its batch size. Rounds this schedule did not decide
         (a tree, a chain drafted without `worth_drafting`) are ignored."""
+        behind, self.behind = self.behind, False
         if self.last is None or not self.learn_costs:
             self.last = None
             return
         batch, width, steps = self.last
         self.last = None
-        seen = self.excess.setdefault(batch, {"plain": [0.0, 0.0], "wide": [0.0, 0.0], "draft": [0.0, 0.0]})
+        seen = self.excess.setdefault(
+            batch, {"plain": [0.0, 0.0], "wide": [0.0, 0.0], "draft": [0.0, 0.0], "catch-up": [0.0, 0.0]}
+        )
         kind = "plain" if width == 1 else "wide"
         seen[kind][0] += _clipped(verify_seconds, self.costs.verify_time(width, batch))
         seen[kind][1] += 1
         if steps >= 0:
             predicted = self.costs.round_time(batch) + steps * self.costs.step_time(batch)
-            seen["draft"][0] += draft_seconds - predicted  # not clipped: a catch-up over many skipped rounds is dear
-            seen["draft"][1] += 1
+            kind = "catch-up" if behind else "draft"
+            seen[kind][0] += draft_seconds - predicted  # not clipped: a catch-up over many skipped rounds is dear
+            seen[kind][1] += 1
 
     def corrections(self) -> dict[int, dict[str, dict[str, float]]]:
         """What the rounds timed so far said the table missed: per batch size and kind of round (plain pass, wider
-        pass, draft round), the mean measured − table in seconds and the rounds it is over (for the report); the
-        plain passes also say how many of them were taken in place of a drafted round to time it (`checks`), the draft
-        rounds how many were probes of a drafter that did not pay (`probes`), the wider passes how many verified a slot
-        only to time one (`explores`)."""
+        pass, draft round, catch-up: a draft round over a prompt or skipped rounds), the mean measured − table in
+        seconds and the rounds it is over (for the report); the plain passes also say how many of them were taken in
+        place of a drafted round to time it (`checks`), the catch-ups how many were probes of a drafter that did not
+        pay (`probes`), the wider passes how many verified a slot only to time one (`explores`)."""
         said: dict[int, dict[str, dict[str, float]]] = {}
         for b, kinds in sorted(self.excess.items()):
             said[b] = {k: {"excess_s": t / n, "rounds": n} for k, (t, n) in kinds.items() if n}
             if "plain" in said[b]:
                 said[b]["plain"]["checks"] = self.checks.get(b, 0)
-            if "draft" in said[b]:
-                said[b]["draft"]["probes"] = self.probes.get(b, 0)
+            if "catch-up" in said[b]:  # a probe follows skipped rounds: it catches up
+                said[b]["catch-up"]["probes"] = self.probes.get(b, 0)
             if "wide" in said[b]:
                 said[b]["wide"]["explores"] = self.explores.get(b, 0)
         return said

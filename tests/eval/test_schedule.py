@@ -3,6 +3,7 @@ the emitted distribution is the target's at T = 1 for one row and for a batch (c
 bigram target), greedy output is the target's greedy output at batch 1 and 3 (EAGLE-3, with rounds the drafter
 skips), and a schedule that reads a slot's own drafted token is caught."""
 
+import math
 from collections import Counter
 
 import pytest
@@ -155,6 +156,42 @@ def test_a_slower_plain_pass_moves_every_width_and_draft_rounds_learn_their_catc
     assert s.round_time(1) == pytest.approx(0.1 + 0.4 / 2)
 
 
+def test_a_catch_up_sets_how_long_a_probe_waits_not_what_drafting_costs():
+    """A slot at 0.3 pays on a stretch of drafting ((1 + 0.3) / (0.1 + 1.05) >= 1 / 1.0): the table's 0.1 draft round
+    is what a round that follows a drafted one takes. The first drafted round of a decode runs the drafter over the
+    prompt and takes 1.0 (as a probe after skipped rounds catches up on them; +415 ms on a 13 ms round at 64 rows on
+    an AMX Xeon). Counted as a draft round (the mutation), it makes drafting look 0.1 + 0.9 / 3 = 0.4 a round, where
+    the slot pays only from 0.45, so the schedule stops drafting after that round. Timed apart (with the rounds after
+    the plain rounds it takes to time the plain pass, which catch up on one skipped round and take 0.1), it drafts
+    every other round, and the catch-ups lengthen the wait before a probe instead."""
+    table = CostTable(verify={1: {1: 1.0, 2: 1.05}}, draft_step={1: 0.01}, draft_round={1: 0.1})
+    s = CostSchedule(table)
+    on, c = torch.tensor([True]), torch.tensor([0.3], dtype=torch.float64)
+    slots, behind = [], True  # the proposer's rule: behind when the prompt or a skipped round is pending
+    for _ in range(13):
+        if not s.worth_drafting(c, on):
+            s.timed(1.0, 0.0)
+            slots.append(0)
+            behind = True
+            continue
+        s.begin(on)
+        if behind:
+            s.catching_up()
+        slots.append(int(s.admit(0, c, torch.ones(1, dtype=torch.float64), on).sum()))
+        s.timed(1.05 if slots[-1] else 1.0, 1.0 if not slots[:-1] else 0.1)
+        behind = False
+    # every round drafts but the plain rounds taken to time the plain pass (the margin is under `check_margin`)
+    assert len(slots) - sum(slots) == s.checks[1] == 2, slots  # [1] * 5 + [0] + [1] * 5 + [0] + [1]
+    assert s.round_time(1) == pytest.approx(0.1)
+    said = s.corrections()[1]
+    assert said["catch-up"]["rounds"] == 3 and said["draft"]["rounds"] == 8
+    assert s.probe_time(1) == pytest.approx(0.1 + 0.9 / (3 + 2))
+    # a drafter that stopped paying is asked again after about 0.28 / 0.02 = 14 skipped rounds (5 by the table alone)
+    low = torch.tensor([0.01], dtype=torch.float64)
+    waits = [s.worth_drafting(low, on) for _ in range(20)]
+    assert waits.index(True) == math.ceil(s.probe_time(1) / (s.probe_share * s.verify_time(1, 1))) >= 14
+
+
 def test_a_stalled_round_counts_as_twice_the_table_at_most():
     """A pass the machine stalled in (ten times the table) is held to twice the table: it says little about the next
     round. A draft round is not held (catching up over many skipped rounds is really dear)."""
@@ -241,17 +278,22 @@ def test_a_table_that_makes_a_wider_pass_too_dear_is_corrected_by_timing_one():
     assert sum(_round(steep, 0.1, 1.0, 1.62, 0.02) for _ in range(120)) == 0 and not steep.explores
 
 
-def test_the_engine_reports_every_round_to_the_schedule(tiny64):
-    """Every round of a decode is timed to the schedule, as a plain pass or a wider one as it verified (EAGLE-3, one
-    row: rounds it skipped and rounds it drafted)."""
-    drafter = _eagle3(tiny64)
-    proposer = Eagle3Proposer(drafter)
+@pytest.mark.parametrize("family", ["eagle3", "dspark"])
+def test_the_engine_reports_every_round_to_the_schedule(tiny64, family):
+    """Every round of a decode is timed to the schedule, as a plain pass or a wider one as it verified (one row:
+    rounds it skipped and rounds it drafted), and a drafter update over the prompt as a catch-up."""
+    from tests.eval.test_dspark_exactness import _dspark_for
+
+    drafter = _eagle3(tiny64) if family == "eagle3" else _dspark_for(tiny64)
+    proposer = Eagle3Proposer(drafter) if family == "eagle3" else DSparkProposer(drafter)
     proposer.schedule = CostSchedule(TABLE)
     res = decode(HFTarget(tiny64, drafter.config.aux_layer_ids), proposer, [[5, 17, 33, 9]], SamplingParams(), 3, 30)
     seen = proposer.schedule.excess[1]
     drafted = [d for d, _ in res[0].rounds]
     assert seen["plain"][1] == sum(d == 0 for d in drafted) and seen["wide"][1] == sum(d > 0 for d in drafted)
-    assert seen["draft"][1] >= seen["wide"][1] > 0
+    assert seen["draft"][1] + seen["catch-up"][1] >= seen["wide"][1] > 0
+    # the first drafted round ran the drafter over the prompt: a catch-up, timed apart from the rounds that follow
+    assert seen["catch-up"][1] >= 1
 
 
 def test_switching_rules_keeps_what_the_cost_schedule_learned(tiny64):
