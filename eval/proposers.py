@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.drafters.vocab import draft_to_target_ids
+from draftsmith.eval.cpu_linear import use_cpu_linears
 from draftsmith.eval.sampling import SamplingParams, probs_from_logits, sample
 from draftsmith.eval.schedule import CostSchedule, CostTable
 from draftsmith.eval.tree import Tree, prune
@@ -124,6 +125,8 @@ class TrainedProposer(NoDraft):
     def __init__(self, drafter, confidence_threshold: float | None = None):
         self.drafter = drafter.eval()
         self.device = next(drafter.parameters()).device
+        if self.device.type == "cpu":  # decoding's few-row products by torch's fast CPU path (eval.cpu_linear)
+            use_cpu_linears(drafter)
         self.ids = draft_to_target_ids(drafter.d2t).to(self.device)
         self.vocab = drafter.config.vocab_size
         self.threshold = confidence_threshold

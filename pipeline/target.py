@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from draftsmith.data.packaged import PackagedFileError, distribution_file
+from draftsmith.eval.cpu_linear import use_cpu_linears
 from draftsmith.pipeline.config import ModelConfig
 from draftsmith.pipeline.precision import resolve_dtype
 
@@ -351,38 +352,10 @@ def load_model(
     if mode == "none":
         model.to(device)
         if device.type == "cpu":
-            flatten_head_inputs(model)
+            use_cpu_linears(model)  # torch's fast CPU products for decoding's shapes (eval.cpu_linear)
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-def flatten_head_inputs(model) -> None:
-    """Make the target's output head multiply a 2-D view of its input on the CPU.
-
-    transformers' `generate` slices the prefill's last position (`hidden[:, -1:, :]`, logits_to_keep) before the
-    head. torch's CPU matmul treats that strided 3-D input as a batched product and takes a slow path. On a 2-core
-    AMD EPYC with AVX-512 BF16 and no AMX, SmolLM2's head (49152 x 576, bf16) took 1.9 s for 32 such rows against
-    9 ms for the same rows contiguous or flattened, and 65 ms against 3 ms for one row. In fp32 it is 4x slower.
-    That made every batched prefill of the generate stage cost seconds. It also drowned the budget's generation probe
-    in noise: a demo measured 408 ms per decoding step where about 70 is right, and took 46 prompts of data.
-    (pytorch/pytorch#151934 is the batched-matmul side of this.)
-
-    Flattening the leading dimensions views the same memory as one 2-D matrix, whatever its strides, and the CPU
-    GEMM takes it at full speed. It is the product torch itself computes for a contiguous input (which it folds the
-    same way); a strided one may round differently from the slow path's. Only the head is patched: inside the layers
-    the inputs are already contiguous. Not on CUDA, where cuBLAS takes strided batches at full speed."""
-    head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear:
-        head.__class__ = FlatLinear  # same parameters and state; a class swap survives deepcopy and pickling
-
-
-class FlatLinear(torch.nn.Linear):
-    """An `nn.Linear` that multiplies its input as one 2-D matrix (`flatten_head_inputs`)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
-        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def data_parallel_rank(cfg: ModelConfig, rank: int, world: int) -> tuple[int, int]:

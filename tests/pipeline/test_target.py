@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from draftsmith.eval.cpu_linear import CpuLinear
 from draftsmith.pipeline.config import ModelConfig
 from draftsmith.pipeline.target import TargetError, load_target, resolve_target
 
@@ -87,8 +88,10 @@ def test_smollm2_gguf_loads_dense_and_answers():
     t = load_target(ModelConfig(target="smollm2-135m-instruct"))
     cfg = t.model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
-    # dequantized: plain nn.Linear weights (hooks and bf16 kernels work as on any HF model)
-    assert type(t.model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    # dequantized: nn.Linear layers with dense float weights (hooks and bf16 kernels work as on any HF model); on the
+    # CPU they are eval.cpu_linear's CpuLinear, the same layer computing decoding's few-row products by a faster path
+    up = t.model.model.layers[0].mlp.up_proj
+    assert type(up) is CpuLinear and up.weight.dtype == torch.float32 and up.weight.shape == (1536, 576)
     ids = prompt_ids(t.tokenizer, [{"role": "user", "content": "What is 2+2?"}])
     out = t.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     assert "4" in t.tokenizer.decode(out[0, len(ids) :])
@@ -97,26 +100,32 @@ def test_smollm2_gguf_loads_dense_and_answers():
 def test_the_head_multiplies_a_strided_slice_as_one_matrix_on_cpu(tiny_target_dir, monkeypatch):
     """transformers' generate hands the head `hidden[:, -1:, :]`; torch's CPU matmul takes a slow batched path for such
     a strided 3-D input (SmolLM2's head, 32 rows, bf16: 1.9 s against 9 ms flattened, on an AVX-512 BF16 EPYC), so the
-    loaded target's head multiplies a 2-D view of it, with the same result."""
+    loaded target's head multiplies a 2-D view of it (eval.cpu_linear), with the same result."""
     import copy
 
     t = load_target(ModelConfig(target=str(tiny_target_dir), dtype="float32"))
     head = t.model.get_output_embeddings()
     hidden = torch.randn(3, 5, head.in_features, generator=torch.Generator().manual_seed(0))
     x = hidden[:, -1:, :]
-    real = torch.nn.functional.linear
-    seen: list[int] = []
+    real_linear, real_mm = torch.nn.functional.linear, torch.mm
+    seen: list[int] = []  # the input's dimensions, for the head's products only (not the layers')
 
     def linear(a, weight, *rest):
-        if weight is head.weight:  # the head's products only, not the layers'
+        if weight is head.weight:
             seen.append(a.dim())
-        return real(a, weight, *rest)
+        return real_linear(a, weight, *rest)
+
+    def mm(weight, a):  # few fp32 rows: W @ x.T
+        if weight is head.weight:
+            seen.append(a.dim())
+        return real_mm(weight, a)
 
     monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    monkeypatch.setattr(torch, "mm", mm)
     out = head(x)
     assert seen == [2], "the head multiplied a 3-D input"
     assert out.shape == (3, 1, head.out_features)
-    torch.testing.assert_close(out, real(x.contiguous(), head.weight))
+    torch.testing.assert_close(out, real_linear(x.contiguous(), head.weight))
     twin = copy.deepcopy(t.model).get_output_embeddings()  # a copy computes with its own weight
     with torch.no_grad():
         twin.weight.zero_()
