@@ -28,17 +28,18 @@ tables of one day). So every round the engine's own timers report what the round
 corrects the table with it, per batch size: a plain pass, a wider pass and a draft round each get the mean of
 (measured − table) over the rounds seen (a pass clipped to half or twice the table: a stall of the machine is not
 its speed; a draft round that catches up on a prompt or on skipped rounds timed apart: it sets how long a probe
-waits, not what a stretch of drafting costs), shrunk toward 0 by `cost_prior` rounds (a wider pass shrunk toward the plain pass's correction, and never
-less above the plain pass than the table has it). Both sides of the decision must be timed: a schedule that drafts
-every round times no plain pass, so while drafting pays by less than `check_margin` (the decision hangs on the
-timings) it takes a plain round now and then (`check_every`, until `check_rounds` plain passes are timed at that
-batch size). A table that made verifying two slots look as cheap as one, or a plain pass look dearer than it is, is
-corrected after the few rounds that drafted on it. One that made a wider pass look dearer than it is would never be:
-no wider pass is run to show it. So while fewer than `explore_rounds` wider passes are timed at a batch size, a
-drafted round whose first slot does not pay by the table verifies the likeliest row's first slot anyway, when that
-is predicted to cost at most `explore_margin` of the round's rate; and once plain and wider passes have both been
-timed, their difference may lower the wider pass's increment (on one AMD EPYC, two tables measured minutes apart put
-a second slot at +0% and +12% of a 32 ms pass, and EAGLE-3 drafted on the first and never on the second).
+waits, not what a stretch of drafting costs), shrunk toward 0 by `cost_prior` rounds (a wider pass shrunk toward the
+plain pass's correction, and never less above the plain pass than the table has it). Both sides of the decision must
+be timed: a schedule that drafts every round times no plain pass, so while drafting pays by less than `check_margin`
+(the decision hangs on the timings) it takes a plain round now and then (`check_every`, until `check_rounds` plain
+passes are timed at that batch size). A table that made verifying two slots look as cheap as one, or a plain pass
+look dearer than it is, is corrected after the few rounds that drafted on it. One that made a wider pass look dearer
+than it is would never be: no wider pass is run to show it. So while fewer than `explore_rounds` wider passes are
+timed at a batch size, a drafted round whose first slot does not pay by the table verifies the likeliest row's first
+slot anyway, when that is predicted to cost at most `explore_margin` of the round's rate; and once plain and wider
+passes have both been timed, their difference may lower the wider pass's increment (on one AMD EPYC, two tables
+measured minutes apart put a second slot at +0% and +12% of a 32 ms pass, and EAGLE-3 drafted on the first and never
+on the second).
 
 Non-anticipating: whether slot i is verified depends on the confidences c_0..c_i of the rows, which the drafter
 computes before drawing x_i, never on x_i or anything drawn after it; so the verifier's output keeps the target's
@@ -221,8 +222,10 @@ class CostSchedule:
     def reset(self) -> None:
         """A new decode: no rounds skipped yet. The backoff is kept, like the online calibration: a drafter that did
         not pay on the last prompts is probed as rarely on the next (each decode's first round is decided from its
-        calibrated prior, and a row whose drafts pay resets the backoff at once)."""
+        calibrated prior, and a row whose drafts pay resets the backoff at once). A catch-up said of a round that
+        was never timed (a proposer driven outside the engine) does not mark the new decode's first timed round."""
         self.skipped = 0
+        self.behind = False
 
     def worth_drafting(self, c0: torch.Tensor, active: torch.Tensor | Sequence[bool]) -> bool:
         """Whether this round runs the drafter at all, from each row's first-slot confidence of the last round it

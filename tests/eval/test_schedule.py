@@ -192,6 +192,18 @@ def test_a_catch_up_sets_how_long_a_probe_waits_not_what_drafting_costs():
     assert waits.index(True) == math.ceil(s.probe_time(1) / (s.probe_share * s.verify_time(1, 1))) >= 14
 
 
+def test_a_new_decode_forgets_a_catch_up_that_was_never_timed():
+    """A proposer driven outside the engine may say a round catches up and never report its time: the next decode's
+    first timed round is then a plain draft round, not a catch-up (reset clears the flag)."""
+    s = CostSchedule(TABLE)
+    s.catching_up()
+    s.reset()
+    s.last = (1, 2, 0)
+    s.timed(1.3, 0.2)
+    said = s.corrections()[1]
+    assert "catch-up" not in said and said["draft"]["rounds"] == 1
+
+
 def test_a_stalled_round_counts_as_twice_the_table_at_most():
     """A pass the machine stalled in (ten times the table) is held to twice the table: it says little about the next
     round. A draft round is not held (catching up over many skipped rounds is really dear)."""
