@@ -9,13 +9,13 @@ rows. torch's CPU kernels miss that in two places, measured on SmolLM2-135M with
   BF16 AMD EPYC (pytorch/pytorch#151934 is the batched-matmul side of this). Flattening the leading dimensions views
   the same memory as one 2-D matrix, which the GEMM takes at full speed: every product here does that.
 - **fp32 with few rows** (the dtype `auto` picks on AVX2-only machines): `F.linear(x, W)` runs one matrix-vector
-  product per row, so a row costs what the whole product should. On an AMD EPYC with torch's kernels capped to AVX2
-  (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA), SmolLM2's head took 12 / 26 / 39 ms for 1 / 2 / 3
-  rows, and the same product written `W @ x.T` 5 ms for 2 rows. For the whole target pass, 1 / 2 / 3 slots wide:
-  81 / 134 / 158 ms with `F.linear`, 58 / 81 / 86 ms with `W @ x.T` (`launch/bench_target_pass.py`). So in fp32,
-  fewer than `FEW_ROWS` rows are multiplied as `W @ x.T`, an odd count padded with a zero row (one row is a
-  matrix-vector product that way too, and two stream the weight at twice its speed). bf16 (oneDNN) is flat from 1 to 8
-  rows already and keeps `F.linear`.
+  product per row, so each row costs what the whole product should. On an AVX-512 BF16 AMD EPYC, SmolLM2's head took
+  11 / 26 / 39 ms for 1 / 2 / 3 rows, and the same product written `W @ x.T` 5 ms for 2 rows. The whole target pass,
+  1 / 2 / 3 slots wide, with torch's kernels capped to AVX2 (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS,
+  ONEDNN_MAX_CPU_ISA): 82 / 121 / 152 ms with `F.linear`, 63 / 57 / 75 ms with `W @ x.T`
+  (`launch/bench_target_pass.py`). So in fp32, fewer than `FEW_ROWS` rows are multiplied as `W @ x.T`, an odd count
+  padded with a zero row (one row alone is a matrix-vector product that way too; two stream the weight at twice its
+  speed). bf16 (oneDNN) is flat from 1 to 8 rows already and keeps `F.linear`.
 
 The products are the same sums in another order: results agree with `F.linear` to rounding (tests/eval/
 test_cpu_linear.py), the way two widths of one pass already do. Not on CUDA, where cuBLAS takes all of these at speed.

@@ -1,7 +1,8 @@
 """eval.cpu_linear: the products decoding hands a CPU go down torch's fast paths, with `F.linear`'s results.
 
 What is fast is measured by launch/bench_target_pass.py (docs/benchmarks.md), not asserted here: these tests check
-which product computes what, and that the result is `F.linear`'s to rounding."""
+which product computes what, and that the result is `F.linear`'s to rounding. They are CPU products by definition, so
+they stay on the CPU whatever DRAFTSMITH_TEST_DEVICE says."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_the_loaded_fp32_target_and_a_cpu_drafter_decode_with_them(tiny_target_d
     from draftsmith.pipeline.config import ModelConfig
     from draftsmith.pipeline.target import load_target
 
-    model = load_target(ModelConfig(target=str(tiny_target_dir), dtype="float32")).model
+    model = load_target(ModelConfig(target=str(tiny_target_dir), dtype="float32", device="cpu")).model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is CpuLinear for m in linears)
     twin = copy.deepcopy(model).get_output_embeddings()  # a copy computes with its own weight, the same way

@@ -103,7 +103,7 @@ def test_the_head_multiplies_a_strided_slice_as_one_matrix_on_cpu(tiny_target_di
     loaded target's head multiplies a 2-D view of it (eval.cpu_linear), with the same result."""
     import copy
 
-    t = load_target(ModelConfig(target=str(tiny_target_dir), dtype="float32"))
+    t = load_target(ModelConfig(target=str(tiny_target_dir), dtype="float32", device="cpu"))
     head = t.model.get_output_embeddings()
     hidden = torch.randn(3, 5, head.in_features, generator=torch.Generator().manual_seed(0))
     x = hidden[:, -1:, :]
