@@ -6,21 +6,36 @@ from pathlib import Path
 from typing import Any
 
 
+def first_slot_break_even(verify: dict[Any, float], draft_round: float) -> str:
+    """The acceptance from which verifying every row's first slot beats a plain step, by one batch size's row of a
+    cost table: (1 + p) tokens per (2-wide pass + draft round) against 1 per plain pass, so p = (v2 + r) / v1 - 1.
+    What the schedule weighs each slot against (before the rounds' timings correct the table); "-" without both
+    widths."""
+    v = {int(w): t for w, t in verify.items()}
+    if 1 not in v or 2 not in v or v[1] <= 0:
+        return "-"
+    return f"{100 * ((v[2] + draft_round) / v[1] - 1):.0f}% acceptance"
+
+
 def cost_tables_markdown(costs: dict[str, Any]) -> str:
-    """The cost tables the schedule decided from, as markdown (ms per target pass by batch and width), each with what
-    the rounds timed said against it (`corrections`). `costs`: per drafter, a `CostTable` as a dict plus `cached`."""
+    """The cost tables the schedule decided from, as markdown (ms per target pass by batch and width, and the
+    acceptance a first slot needs to pay), each with what the rounds timed said against it (`corrections`). `costs`:
+    per drafter, a `CostTable` as a dict plus `cached`."""
     lines = []
     for name, t in costs.items():
         widths = sorted({int(w) for row in t["verify"].values() for w in row})
         lines += [
             f"\n### Cost table: {name} ({'cached' if t['cached'] else 'measured at the start of eval'})\n",
-            "| batch | " + " | ".join(f"verify {w} slot(s)" for w in widths) + " | draft round | draft step |",
-            "|---" * (len(widths) + 3) + "|",
+            "| batch | " + " | ".join(f"verify {w} slot(s)" for w in widths) + " | draft round | draft step "
+            "| a first slot pays from |",
+            "|---" * (len(widths) + 4) + "|",
         ]
         for b, row in sorted(t["verify"].items(), key=lambda kv: int(kv[0])):
             cells = " | ".join(f"{1e3 * row[w]:.1f} ms" if w in row else "-" for w in widths)
+            draft_round = t["draft_round"].get(b, 0.0)
             lines.append(
-                f"| {b} | {cells} | {1e3 * t['draft_round'].get(b, 0.0):.1f} ms | {1e3 * t['draft_step'].get(b, 0.0):.1f} ms |"
+                f"| {b} | {cells} | {1e3 * draft_round:.1f} ms | {1e3 * t['draft_step'].get(b, 0.0):.1f} ms "
+                f"| {first_slot_break_even(row, draft_round)} |"
             )
         for b, kinds in t.get("corrections", {}).items():
             said = ", ".join(

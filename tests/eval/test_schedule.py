@@ -5,6 +5,7 @@ skips), and a schedule that reads a slot's own drafted token is caught."""
 
 import math
 from collections import Counter
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -481,3 +482,20 @@ def test_the_cost_table_times_the_same_rounds_for_every_chain_length(tiny64):
     assert sorted(table.verify[1]) == [1, 2, 3, 4] and table.draft_round[1] >= 0.0
     # per γ in 0..3: one untimed warm-up decode of the drafter (<= 2 rounds, at most 3 tokens), then 2 x 4 rounds
     assert len(passes) - 2 <= 4 * 2 * 4 <= len(passes)
+
+
+def test_the_report_gives_the_acceptance_the_schedule_weighs_a_first_slot_against():
+    """The cost table's "a first slot pays from" column is the schedule's own line: a row whose first-slot confidence
+    sits just above it is drafted, just below it is not (40 ms plain pass, 42 ms two slots wide, 4 ms draft round:
+    (42 + 4) / 40 - 1 = 15%)."""
+    from draftsmith.eval.report import cost_tables_markdown, first_slot_break_even
+
+    table = CostTable(verify={1: {1: 0.040, 2: 0.042}}, draft_step={1: 0.001}, draft_round={1: 0.004})
+    assert first_slot_break_even(table.verify[1], table.draft_round[1]) == "15% acceptance"
+    assert first_slot_break_even({1: 0.040}, 0.004) == "-"
+    on = torch.tensor([True])
+    for c, drafts in ((0.151, True), (0.149, False)):
+        s = CostSchedule(table, learn_costs=False)
+        assert s.worth_drafting(torch.tensor([c], dtype=torch.float64), on) is drafts, c
+    md = cost_tables_markdown({"eagle3": {**asdict(table), "cached": False}})
+    assert "| a first slot pays from |" in md and "| 15% acceptance |" in md
