@@ -12,7 +12,7 @@ pass (which yields the first token) is not a verification pass and is not counte
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +60,43 @@ class TreeSpec:
     """Nodes verified per round."""
 
 
-def decode(
+def decode(*args, **kwargs) -> list[DecodeResult]:
+    """Speculative decoding of a batch of prompts, one result per prompt: `decoding` (same arguments) run to its
+    end."""
+    return finish(decoding(*args, **kwargs))
+
+
+def finish(steps: Generator[float, None, list[DecodeResult]]) -> list[DecodeResult]:
+    """A step-at-a-time decode (`decoding`) run to its end: its results."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def interleave(decodes: Mapping[str, Generator[float, None, list[DecodeResult]]]) -> dict[str, list[DecodeResult]]:
+    """Several decodes (`decoding`) run side by side, a step (the prefill, then a round) at a time: the next step is
+    always the one of the decode that has spent the least time so far (ties to the earlier in `decodes`' order).
+
+    They keep pace in time, so a slow or fast spell of the machine (a neighbour on a shared CPU, a clock change) falls
+    on all of them alike instead of on whichever ran then: the ratio of two decodes' speeds is measured with the
+    noise that speed has over a round (tens of milliseconds), not over a whole decode (seconds). Each decode's timers
+    run only during its own steps. Every decode needs its own target and proposer (each holds a cache); they may
+    share the model and the drafter's weights."""
+    spent = {name: 0.0 for name in decodes}
+    results: dict[str, list[DecodeResult]] = {}
+    while spent:
+        name = min(spent, key=spent.__getitem__)
+        try:
+            spent[name] = next(decodes[name])
+        except StopIteration as done:
+            results[name] = done.value
+            del spent[name]
+    return {name: results[name] for name in decodes}
+
+
+def decoding(
     target,
     proposer,
     prompts: Sequence[Sequence[int]],
@@ -73,8 +109,11 @@ def decode(
     verify: Callable = sampling_verify,
     tree_verify: Callable = sampling_tree_verify,
     max_rounds: int | None = None,
-) -> list[DecodeResult]:
-    """Speculative decoding of a batch of prompts, one result per prompt.
+) -> Generator[float, None, list[DecodeResult]]:
+    """Speculative decoding of a batch of prompts, one step at a time: yields after the prefill and after every round
+    the seconds this decode has spent so far, and returns one result per prompt (`decode` runs it to its end,
+    `interleave` runs several side by side). A result's seconds are the sum of this decode's steps: time spent
+    elsewhere between two of them is not counted.
 
     `target` is an `eval.runner.HFTarget` (or anything with its prefill/step/keep/compact); `proposer` one of
     `eval.proposers`; `gamma` the chain length. `generators` has one generator per row, on the target's device
@@ -91,7 +130,7 @@ def decode(
     stops = set(stop_ids)
     device = getattr(target, "device", None)
     started = clock(device)
-    draft_seconds = verify_seconds = 0.0
+    seconds = draft_seconds = verify_seconds = 0.0
     logits, feats, valid = target.prefill(prompts)
     firsts = [
         int(logits[b, -1].argmax()) if params.greedy else sample(probs_from_logits(logits[b, -1], params), gens[b])
@@ -101,6 +140,8 @@ def decode(
     history = [list(p) + [f] for p, f in zip(prompts, firsts)]
     active = [len(r.tokens) < max_new_tokens and r.tokens[-1] not in stops for r in results]
     proposer.start(prompts, firsts, feats, valid)
+    seconds += clock(device) - started
+    yield seconds
     rounds = 0
     while any(active) and (max_rounds is None or rounds < max_rounds):
         rounds += 1
@@ -139,7 +180,8 @@ def decode(
         verify_seconds += t2 - t1
         draft_seconds += (t1 - t0) + (t3 - t2)
         proposer.timed(t2 - t1, (t1 - t0) + (t3 - t2))  # a schedule corrects its cost table with what rounds cost
-    seconds = clock(device) - started
+        seconds += t3 - t0
+        yield seconds
     for r in results:
         cut = len(r.tokens)
         for i, t in enumerate(r.tokens[:max_new_tokens]):

@@ -1,7 +1,7 @@
 """`draftsmith eval`: acceptance length per domain and real speedup, with the exact verifier.
 
-For every prompt, plain decoding, the prompt-lookup baseline and the trained drafter run back to back on
-the same target in the same process, so speedups compare like with like. Under torchrun / accelerate launch each
+For every prompt, plain decoding, the prompt-lookup baseline and the trained drafters run side by side, a round at a
+time, on the same target in the same process, so speedups compare like with like. Under torchrun / accelerate launch each
 rank decodes a share of the prompt batches on its own device and the main process merges and writes the results.
 Output: RUN_DIR/eval/eval.json (every number with its settings), report.md (also printed) and PNG plots.
 """
@@ -22,7 +22,7 @@ from draftsmith.data.chat import prompt_ids, stop_token_ids
 from draftsmith.data.sources import iter_conversations
 from draftsmith.eval.costs import cached_costs, measure_costs
 from draftsmith.eval.curve import MIN_ROWS, batch_curve, curve_points
-from draftsmith.eval.engine import TreeSpec, decode
+from draftsmith.eval.engine import TreeSpec, decoding, finish, interleave
 from draftsmith.eval.metrics import acceptance_stats, calibration, first_difference_margin, speedup_interval
 from draftsmith.eval.proposers import NoDraft, PromptLookup, TrainedProposer
 from draftsmith.eval.report import cost_tables_markdown, markdown_table, plots
@@ -113,12 +113,13 @@ class Decoder:
     seed: int
     device: Any
 
-    def run(self, batch: list[dict[str, Any]], name: str, params: SamplingParams, max_new_tokens: int):
+    def decoding(self, batch: list[dict[str, Any]], name: str, params: SamplingParams, max_new_tokens: int):
+        """One batch of prompts with one proposer, as the engine's step-at-a-time decode (`eval.engine.decoding`)."""
         # one generator per prompt, seeded by the prompt and the temperature: a prompt's sampled output does not
         # depend on its batch, its rank or the rank count. On the target's device (CUDA refuses a CPU generator).
         gens = [make_generator(self.device, derive_seed(self.seed, p["id"], params.temperature)) for p in batch]
         proposer = self.proposers[name]
-        return decode(
+        return decoding(
             self.runners[name],
             proposer,
             [p["ids"] for p in batch],
@@ -129,6 +130,10 @@ class Decoder:
             gens,
             tree=self.tree if hasattr(proposer, "propose_tree") else None,
         )
+
+    def run(self, batch: list[dict[str, Any]], name: str, params: SamplingParams, max_new_tokens: int):
+        """One batch of prompts with one proposer, decoded to the end."""
+        return finish(self.decoding(batch, name, params, max_new_tokens))
 
     def temperature(
         self,
@@ -142,18 +147,22 @@ class Decoder:
         one entry per prompt its output differs from plain decoding's on (exactness: none in float32; in bf16,
         near-ties): the target's logit margin at the first differing token (`first_difference_margin`).
 
-        The proposers decode a batch one right after the other, in order (plain decoding first) for the first batch,
-        in reverse for the next, and so on (`reverse_first` starts reversed: a second repeat): a steady drift of the
-        machine's speed over a pair of batches does not favour the proposers that run early."""
+        The proposers decode a batch side by side, a round at a time, keeping pace in time (`eval.engine.interleave`):
+        a spell of the machine running slow or fast reaches them all, so their speed ratios hold on a shared CPU.
+        Ties go to plain decoding first for the first batch, to the proposers in reverse for the next, and so on
+        (`reverse_first` starts reversed: a second repeat)."""
+        runners = [self.runners[n] for n in self.proposers if n in self.runners]
+        if len({id(r) for r in runners}) < len(runners):
+            raise ValueError(
+                "Decoder: every proposer needs its own runner (each holds a KV cache; they decode side by side)"
+            )
         by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         diverged: dict[str, list] = defaultdict(list)
         names = list(self.proposers)
         bar = tqdm(total=sum(len(b) for b in mine), desc=desc, unit="prompt")
         for i, batch in enumerate(mine):
-            ran = {
-                name: self.run(batch, name, params, max_new_tokens)
-                for name in names[:: -1 if (i + reverse_first) % 2 else 1]
-            }
+            order = names[:: -1 if (i + reverse_first) % 2 else 1]
+            ran = interleave({name: self.decoding(batch, name, params, max_new_tokens) for name in order})
             plain = [r.tokens for r in ran["none"]]
             for name in names:
                 results = ran[name]

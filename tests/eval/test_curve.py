@@ -38,12 +38,18 @@ def test_the_curve_reverses_the_order_of_configurations_every_other_group():
 
 
 def test_eval_decodes_every_other_batch_in_reverse():
-    """Per-domain eval: the proposers decode the first batch in order (plain decoding first), the next in reverse;
-    results land under their own proposer whatever the order, and exactness is still judged against plain
-    decoding's output."""
+    """Per-domain eval: the proposers decode side by side, and where they are even, the first batch goes in order
+    (plain decoding first), the next in reverse; results land under their own proposer whatever the order, and
+    exactness is still judged against plain decoding's output."""
     calls: list[str] = []
     dec = Decoder({}, {"none": None, "x": None, "y": None}, {"none": 1, "x": 3, "y": 3}, [], None, 0, None)
-    dec.run = _fake_run(calls)  # type: ignore[method-assign]
+    run = _fake_run(calls)
+
+    def decoding(rows, name, params, max_new_tokens):  # one step each, all equally long: the order breaks the tie
+        yield 1.0
+        return run(rows, name, params, max_new_tokens)
+
+    dec.decoding = decoding  # type: ignore[method-assign]
     batches = [[p] for p in PROMPTS[:3]]
     by, diverged = dec.temperature(batches, SamplingParams(), 4, "test")
     assert calls == ["none", "x", "y", "y", "x", "none", "none", "x", "y"]
