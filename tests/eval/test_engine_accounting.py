@@ -174,7 +174,9 @@ def test_eval_records_a_departure_from_plain_greedy_with_its_margin(tiny64, monk
     assert 7 not in plain_greedy(tiny64, prompt, 12)[:3]
     monkeypatch.setattr(engine, "greedy_verify", lambda d, logits: (len(d), int(logits[len(d)].argmax())))
     runners = {"none": HFTarget(tiny64), "sevens": HFTarget(tiny64)}  # side by side: a KV cache each
-    dec = Decoder(runners, {"none": NoDraft(), "sevens": Sevens()}, {"none": 1, "sevens": 3}, [], None, 0, tiny64.device)
+    dec = Decoder(
+        runners, {"none": NoDraft(), "sevens": Sevens()}, {"none": 1, "sevens": 3}, [], None, 0, tiny64.device
+    )
     by, diverged = dec.temperature([[{"ids": prompt, "domain": "d", "id": "p"}]], SamplingParams(), 12, "test")
     assert len(diverged["sevens"]) == 1 and diverged["sevens"][0] > 0.1
     run = summarize(0.0, by, diverged, dec.gammas, ["none", "sevens"], 1, True)

@@ -2,7 +2,6 @@
 with): each gives exactly what it gives alone, each is timed only over its own steps, and they keep pace in time."""
 
 import pytest
-import torch
 
 from draftsmith.eval import engine
 from draftsmith.eval.engine import decode, decoding, interleave
