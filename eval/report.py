@@ -39,7 +39,8 @@ def cost_tables_markdown(costs: dict[str, Any]) -> str:
             )
         for b, kinds in t.get("corrections", {}).items():
             said = ", ".join(
-                f"{k} {1e3 * c['excess_s']:+.1f} ms over {c['rounds']:.0f} rounds"
+                f"{k} {1e3 * c['excess_s']:+.1f} ms over {c['rounds']:.0f} "
+                + ("pairs of neighbouring plain and wider rounds" if k == "increment" else "rounds")
                 + (f" ({c['checks']:.0f} taken to time it)" if c.get("checks") else "")
                 + (f" ({c['probes']:.0f} of them probes of a drafter that did not pay)" if c.get("probes") else "")
                 + (

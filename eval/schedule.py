@@ -37,9 +37,9 @@ look dearer than it is, is corrected after the few rounds that drafted on it. On
 than it is would never be: no wider pass is run to show it. So while fewer than `explore_rounds` wider passes are
 timed at a batch size, a drafted round whose first slot does not pay by the table verifies the likeliest row's first
 slot anyway, when that is predicted to cost at most `explore_margin` of the round's rate; and once plain and wider
-passes have both been timed, their difference may lower the wider pass's increment (on one AMD EPYC, two tables
-measured minutes apart put a second slot at +0% and +12% of a 32 ms pass, and EAGLE-3 drafted on the first and never
-on the second).
+passes have been timed one round apart, their paired difference may lower the wider pass's increment (on one AMD
+EPYC, two tables measured minutes apart put a second slot at +0% and +12% of a 32 ms pass, and EAGLE-3 drafted on the
+first and never on the second).
 
 Non-anticipating: whether slot i is verified depends on the confidences c_0..c_i of the rows, which the drafter
 computes before drawing x_i, never on x_i or anything drawn after it; so the verifier's output keeps the target's
@@ -181,6 +181,7 @@ class CostSchedule:
         self.checks: dict[int, int] = {}  # per batch size, plain rounds taken in place of drafted ones to time it
         self.probes: dict[int, int] = {}  # per batch size, rounds that asked a drafter that did not pay again
         self.explores: dict[int, int] = {}  # per batch size, slots verified to time a wider pass (not by the rate)
+        self.previous: dict[int, tuple[str, float]] = {}  # per batch size, the last pass timed: (plain/wide, excess)
         self.batch = 0
         # online calibration, per depth i: the predicted survival Σ c_0...c_i of the slots verified so far, and how
         # many of them were accepted (kept across decodes: only rounds already verified count, never this one's)
@@ -301,19 +302,20 @@ class CostSchedule:
 
     def _narrower(self, batch: int) -> float:
         """How much less than the table the increment of a wider pass over a plain one is, as timed (≤ 0): the mean
-        wider-pass excess less the mean plain-pass excess, shrunk toward 0 by `cost_prior` against the fewer of the two
-        counts, so that it needs both sides timed (a stale plain figure never makes a wider pass look cheap), and never
-        below a plain pass."""
+        over pairs of a plain and a wider pass timed one round apart of (wider excess − plain excess), shrunk toward 0
+        by `cost_prior` pairs, and never below a plain pass. Paired, not the difference of the two means: the plain
+        passes are timed in a few stretches (the skipped rounds, the checks) and the wider ones in others, and a
+        2-core machine shared with others changes speed by more than the increment between them (on one AMD EPYC,
+        plain passes timed early at 65 ms against wider ones averaging 62 over the minutes after made a second slot
+        look free, where side by side it cost +4 ms, 7%, and EAGLE-3 drafted at T = 1 at 0.96x of plain decoding)."""
         seen = self.excess.get(batch)
         if seen is None:
             return 0.0
-        (wide, n_wide), (plain, n_plain) = seen["wide"], seen["plain"]
-        n = min(n_wide, n_plain)
+        diff, n = seen["increment"]
         if not n:
             return 0.0
-        diff = wide / n_wide - plain / n_plain
         table = self.costs.verify_time(2, batch) - self.costs.verify_time(1, batch)
-        return max(min(diff * n / (n + self.cost_prior), 0.0), -table)
+        return max(min(diff / (n + self.cost_prior), 0.0), -table)
 
     def round_time(self, batch: int) -> float:
         """The table's draft round corrected by the measured ones that followed a drafted round (the update with the
@@ -345,11 +347,27 @@ class CostSchedule:
         batch, width, steps = self.last
         self.last = None
         seen = self.excess.setdefault(
-            batch, {"plain": [0.0, 0.0], "wide": [0.0, 0.0], "draft": [0.0, 0.0], "catch-up": [0.0, 0.0]}
+            batch,
+            {
+                "plain": [0.0, 0.0],
+                "wide": [0.0, 0.0],
+                "increment": [0.0, 0.0],
+                "draft": [0.0, 0.0],
+                "catch-up": [0.0, 0.0],
+            },
         )
         kind = "plain" if width == 1 else "wide"
-        seen[kind][0] += _clipped(verify_seconds, self.costs.verify_time(width, batch))
+        excess = _clipped(verify_seconds, self.costs.verify_time(width, batch))
+        seen[kind][0] += excess
         seen[kind][1] += 1
+        # a plain and a wider pass timed one after the other, a round apart: their difference is the increment as
+        # the machine runs now, whatever its speed did between the minutes the two means were taken over
+        before = self.previous.get(batch)
+        if before is not None and before[0] != kind:
+            wide, plain = (excess, before[1]) if kind == "wide" else (before[1], excess)
+            seen["increment"][0] += wide - plain
+            seen["increment"][1] += 1
+        self.previous[batch] = (kind, excess)
         if steps >= 0:
             predicted = self.costs.round_time(batch) + steps * self.costs.step_time(batch)
             kind = "catch-up" if behind else "draft"
@@ -358,7 +376,8 @@ class CostSchedule:
 
     def corrections(self) -> dict[int, dict[str, dict[str, float]]]:
         """What the rounds timed so far said the table missed: per batch size and kind of round (plain pass, wider
-        pass, draft round, catch-up: a draft round over a prompt or skipped rounds), the mean measured − table in
+        pass, the increment of a wider pass over a plain one timed a round apart, draft round, catch-up: a draft round
+        over a prompt or skipped rounds), the mean measured − table in
         seconds and the rounds it is over (for the report); the plain passes also say how many of them were taken in
         place of a drafted round to time it (`checks`), the catch-ups how many were probes of a drafter that did not
         pay (`probes`), the wider passes how many verified a slot only to time one (`explores`)."""
@@ -428,10 +447,12 @@ class CostSchedule:
         seen = self.excess.get(self.batch)
         if not self.learn_costs or self.last is None or seen is None:
             return False
-        (wide, n_wide), (plain, n_plain) = seen["wide"], seen["plain"]
+        (_, n_wide), (_, n_plain), (increment, pairs) = seen["wide"], seen["plain"], seen["increment"]
         if n_wide >= self.explore_rounds or not n_plain:
             return False
-        if n_wide and wide / n_wide >= plain / n_plain:  # the wider passes timed were no cheaper than the table's
+        if (
+            pairs and increment >= 0
+        ):  # the wider passes timed were no cheaper over their plain neighbours than the table's
             return False
         return (self.expected + survival) / wider >= (1 - self.explore_margin) * rate
 

@@ -261,6 +261,30 @@ def test_a_schedule_that_drafts_every_round_times_the_plain_pass_too():
     assert run(sure, 0.9) == [1] * 80 and not sure.checks
 
 
+def test_a_machine_that_speeds_up_after_the_plain_passes_were_timed_does_not_make_a_slot_look_free():
+    """The table is right: a plain pass 1.0, two slots wide 1.07, a draft round 0.1, so a first slot pays from 17%.
+    For 80 rounds the machine runs 10% slow (1.10 and 1.17): a first slot at 0.3 pays, the schedule drafts, and times
+    the plain pass in the 16 plain rounds it takes to check it. Then the machine runs 10% fast (0.90 and 0.97) for
+    300 drafted rounds; no plain pass is timed any more. A first slot at 0.14 then loses (1.14 / 1.07 against
+    1 / 0.90). Compared mean against mean, the plain passes (slow minutes) and the wider ones (mostly fast minutes)
+    made a second slot look free, and the schedule drafted every round at 0.14 (the mutation: the unpaired
+    difference, as on one AMD EPYC at T = 1, 0.96x of plain decoding); paired a round apart, the increment stays the
+    table's 0.07 and it drafts only to probe."""
+    table = CostTable(verify={1: {1: 1.0, 2: 1.07}}, draft_step={1: 0.05}, draft_round={1: 0.1})
+    s = CostSchedule(table)
+    slow = [_round(s, 0.3, 1.10, 1.17, 0.1) for _ in range(80)]
+    assert s.checks == {1: 16} and sum(slow) == 64
+    assert all(_round(s, 0.3, 0.90, 0.97, 0.1) for _ in range(300))
+    # every pair but the one across the change (its plain pass slow, its wider one fast: -0.2) shows the table's
+    # increment (16 plain rounds, each between two wider ones: 32 pairs)
+    said = s.corrections()[1]["increment"]
+    gap = s.verify_time(2, 1) - s.verify_time(1, 1)
+    late = [_round(s, 0.14, 0.90, 0.97, 0.1) for _ in range(40)]
+    assert sum(late) <= 4, late
+    assert said["rounds"] == 32 and said["excess_s"] == pytest.approx(-0.2 / 32)
+    assert gap == pytest.approx(0.07 - 0.2 / 34)
+
+
 def test_a_table_that_makes_a_wider_pass_too_dear_is_corrected_by_timing_one():
     """The table puts a pass two slots wide at 1.12 (a plain one 1.0, a draft round 0.02); the machine runs both at
     1.0, as two tables of one AMD EPYC measured minutes apart disagreed by 12% on a 32 ms pass. A first slot at 0.1
