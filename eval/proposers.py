@@ -194,11 +194,13 @@ class TrainedProposer(NoDraft):
             self.schedule.catching_up()
         self.prompt_pending = False
 
-    def _skip_round(self, active) -> bool:
+    def _skip_round(self, active, params: SamplingParams) -> bool:
         """Whether this round drafts nothing at all (a plain target step, with no drafter work), decided by the
-        schedule from the rows' first-slot confidences of earlier rounds: never from this round's drafts."""
+        schedule from the rows' first-slot confidences of earlier rounds: never from this round's drafts. The schedule
+        is told the sampling first: what it learns is kept per sampling (`CostSchedule.regime`)."""
         if self.schedule is None:
             return False
+        self.schedule.regime("greedy" if params.greedy else (params.temperature, params.top_p, params.top_k))
         return not self.schedule.worth_drafting(self.c0, active)
 
     def _chain(self, k: int, active, params, generators, step) -> Proposal:
@@ -286,7 +288,7 @@ class Eagle3Proposer(TrainedProposer):
     @torch.no_grad()
     def propose(self, histories, active, k, params, generators):
         self.round_start = self.key_mask.shape[1]
-        if self._skip_round(active):
+        if self._skip_round(active, params):
             return Proposal([[] for _ in histories])
         self._sync()
         self.round_start = self.key_mask.shape[1]
@@ -424,7 +426,7 @@ class DSparkProposer(TrainedProposer):
 
     @torch.no_grad()
     def propose(self, histories, active, k, params, generators):
-        if self._skip_round(active):
+        if self._skip_round(active, params):
             return Proposal([[] for _ in histories])
         self._sync()
         k = min(k, self.length)

@@ -41,6 +41,10 @@ passes have been timed one round apart, their paired difference may lower the wi
 EPYC, two tables measured minutes apart put a second slot at +0% and +12% of a 32 ms pass, and EAGLE-3 drafted on the
 first and never on the second).
 
+What the rounds teach (the online calibration, the timings, the backoff) is kept per sampling regime (`regime`: the
+temperature, top-p and top-k the proposer decodes with): the drafter's confidences do not know the temperature, and a
+sampled round costs more to draft than a greedy one.
+
 Non-anticipating: whether slot i is verified depends on the confidences c_0..c_i of the rows, which the drafter
 computes before drawing x_i, never on x_i or anything drawn after it; so the verifier's output keeps the target's
 distribution (the chapter's slot-by-slot admission).
@@ -51,9 +55,10 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -167,28 +172,65 @@ class CostSchedule:
     explore_margin = 0.25
     """Most share of a round's predicted rate such a round may give up to time a wider pass."""
 
+    # what the rounds teach, per sampling regime (`_learned` says what each is, `regime` swaps them)
+    backoff: int
+    excess: dict[int, dict[str, list[float]]]
+    checks: dict[int, int]
+    probes: dict[int, int]
+    explores: dict[int, int]
+    previous: dict[int, tuple[str, float]]
+    predicted: list[float]
+    accepted: list[float]
+    verified: list[float]
+
     def __init__(self, costs: CostTable, learn_costs: bool = True):
         self.costs = costs
         self.learn_costs = learn_costs
         """Correct the table with the engine's timings of the rounds run (off: the table alone, for tests that script
         decisions on a table of made-up seconds)."""
         self.halted = False
-        self.backoff = 1
-        # per batch size, (sum of measured − table, rounds) of plain passes, wider passes and draft rounds
-        self.excess: dict[int, dict[str, list[float]]] = {}
         self.last: tuple[int, int, int] | None = None  # (batch, width, draft steps; -1: not drafted) of this round
         self.behind = False  # this round's drafter update is a catch-up (`catching_up`)
-        self.checks: dict[int, int] = {}  # per batch size, plain rounds taken in place of drafted ones to time it
-        self.probes: dict[int, int] = {}  # per batch size, rounds that asked a drafter that did not pay again
-        self.explores: dict[int, int] = {}  # per batch size, slots verified to time a wider pass (not by the rate)
-        self.previous: dict[int, tuple[str, float]] = {}  # per batch size, the last pass timed: (plain/wide, excess)
         self.batch = 0
-        # online calibration, per depth i: the predicted survival Σ c_0...c_i of the slots verified so far, and how
-        # many of them were accepted (kept across decodes: only rounds already verified count, never this one's)
-        self.predicted: list[float] = []
-        self.accepted: list[float] = []
-        self.verified: list[float] = []  # how many slots of depth i were verified
+        # what the rounds teach (see `_learned`), per sampling regime (`regime`); the current one's as attributes
+        self.sampling: Hashable = None
+        self.regimes: dict[Hashable, dict[str, Any]] = {}
+        self.__dict__.update(self._learned())
         self.reset()
+
+    @staticmethod
+    def _learned() -> dict[str, Any]:
+        """What a schedule learns from the rounds it decides, before any: the backoff; per batch size, (sum of
+        measured − table, rounds) of plain passes, wider passes, the increment of neighbouring ones, draft rounds and
+        catch-ups, the plain rounds taken in place of drafted ones to time it (`checks`), the rounds that asked a
+        drafter that did not pay again (`probes`), the slots verified only to time a wider pass (`explores`) and the
+        last pass timed (`previous`: plain/wide, excess); and the online calibration, per depth i: the predicted
+        survival Σ c_0...c_i of the slots verified so far, how many of them were accepted and how many verified (kept
+        across decodes: only rounds already verified count, never this one's)."""
+        return {
+            "backoff": 1,
+            "excess": {},
+            "checks": {},
+            "probes": {},
+            "explores": {},
+            "previous": {},
+            "predicted": [],
+            "accepted": [],
+            "verified": [],
+        }
+
+    def regime(self, sampling: Hashable) -> None:
+        """The sampling the coming rounds decode with (the proposer passes its temperature, top-p and top-k): what the
+        rounds teach (`_learned`) is kept per sampling. A drafter's confidences do not know the temperature (EAGLE-3's
+        first slots were accepted 17% of the time at T = 0 and 13% at T = 1 on the same confidences, on an AMD EPYC),
+        and a sampled round costs more to draft than a greedy one (drawing from q over the target's vocabulary: a
+        6 ms EAGLE-3 round took 2 ms more). Learned at one temperature and kept at the next, both made drafting at
+        T = 1 look as good as at T = 0, where it lost."""
+        if sampling == self.sampling:
+            return
+        self.regimes[self.sampling] = {k: getattr(self, k) for k in self._learned()}
+        self.__dict__.update(self.regimes.get(sampling) or self._learned())
+        self.sampling = sampling
 
     def observe(self, confidences: list[list[float]], accepted: list[int]) -> None:
         """A verified round: row b drafted with confidences `confidences[b]` and had `accepted[b]` drafts accepted."""
@@ -375,22 +417,14 @@ class CostSchedule:
             seen[kind][1] += 1
 
     def corrections(self) -> dict[int, dict[str, dict[str, float]]]:
-        """What the rounds timed so far said the table missed: per batch size and kind of round (plain pass, wider
-        pass, the increment of a wider pass over a plain one timed a round apart, draft round, catch-up: a draft round
-        over a prompt or skipped rounds), the mean measured − table in
-        seconds and the rounds it is over (for the report); the plain passes also say how many of them were taken in
-        place of a drafted round to time it (`checks`), the catch-ups how many were probes of a drafter that did not
-        pay (`probes`), the wider passes how many verified a slot only to time one (`explores`)."""
-        said: dict[int, dict[str, dict[str, float]]] = {}
-        for b, kinds in sorted(self.excess.items()):
-            said[b] = {k: {"excess_s": t / n, "rounds": n} for k, (t, n) in kinds.items() if n}
-            if "plain" in said[b]:
-                said[b]["plain"]["checks"] = self.checks.get(b, 0)
-            if "catch-up" in said[b]:  # a probe follows skipped rounds: it catches up
-                said[b]["catch-up"]["probes"] = self.probes.get(b, 0)
-            if "wide" in said[b]:
-                said[b]["wide"]["explores"] = self.explores.get(b, 0)
-        return said
+        """What the rounds timed so far said the table missed, over every sampling regime (`regime`): per batch size
+        and kind of round (plain pass, wider pass, the increment of a wider pass over a plain one timed a round apart,
+        draft round, catch-up: a draft round over a prompt or skipped rounds), the mean measured − table in seconds and
+        the rounds it is over (for the report); the plain passes also say how many of them were taken in place of a
+        drafted round to time it (`checks`), the catch-ups how many were probes of a drafter that did not pay
+        (`probes`), the wider passes how many verified a slot only to time one (`explores`)."""
+        states = {**self.regimes, self.sampling: {k: getattr(self, k) for k in self._learned()}}
+        return merge_corrections([_said(state) for state in states.values()])
 
     def begin(self, drafting: torch.Tensor) -> None:
         """A new round for the rows in `drafting` (bool [B])."""
@@ -457,8 +491,22 @@ class CostSchedule:
         return (self.expected + survival) / wider >= (1 - self.explore_margin) * rate
 
 
+def _said(state: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
+    """One regime's learned state (`CostSchedule._learned`) as `corrections` reports it."""
+    said: dict[int, dict[str, dict[str, float]]] = {}
+    for b, kinds in sorted(state["excess"].items()):
+        said[b] = {k: {"excess_s": t / n, "rounds": n} for k, (t, n) in kinds.items() if n}
+        if "plain" in said[b]:
+            said[b]["plain"]["checks"] = state["checks"].get(b, 0)
+        if "catch-up" in said[b]:  # a probe follows skipped rounds: it catches up
+            said[b]["catch-up"]["probes"] = state["probes"].get(b, 0)
+        if "wide" in said[b]:
+            said[b]["wide"]["explores"] = state["explores"].get(b, 0)
+    return said
+
+
 def merge_corrections(ranks: Sequence[dict]) -> dict:
-    """Several schedules' `corrections` (one per rank) as one: per batch size and kind of round, the mean over all
+    """Several `corrections` (one per rank, or per sampling regime) as one: per batch size and kind of round, the mean over all
     their rounds (each rank's mean weighted by its rounds), the rounds, plain-pass checks, probes and explores
     summed."""
     merged: dict = {}

@@ -350,6 +350,43 @@ def test_switching_rules_keeps_what_the_cost_schedule_learned(tiny64):
     assert proposer.schedule is not learned and proposer.schedule.ratio(0) == 1.0
 
 
+def test_what_the_rounds_teach_is_kept_per_sampling():
+    """Greedy rounds showed first slots at confidence 0.5 never accepted and plain passes 0.2 over the table; sampled
+    rounds start again from the table and a calibration taken as right (the drafter's confidences do not know the
+    temperature), and learn their own; back to greedy, greedy's is still there. The report sums both."""
+    s = CostSchedule(TABLE)
+    s.regime("greedy")
+    for _ in range(20):
+        s.observe([[0.5]], [0])
+    s.last = (1, 1, -1)
+    s.timed(1.2, 0.0)
+    greedy = (s.ratio(0), s.verify_time(1, 1))
+    assert greedy == (pytest.approx(4 / 14), pytest.approx(1.0 + 0.2 / 3))
+    s.regime((1.0, 1.0, 0))
+    assert (s.ratio(0), s.verify_time(1, 1)) == (1.0, 1.0)
+    s.observe([[0.5]], [1])
+    s.last = (1, 1, -1)
+    s.timed(0.9, 0.0)
+    s.regime("greedy")
+    assert (s.ratio(0), s.verify_time(1, 1)) == greedy
+    assert s.corrections()[1]["plain"] == {"excess_s": pytest.approx(0.05), "rounds": 2, "checks": 0}
+
+
+def test_a_proposer_tells_its_schedule_the_sampling_of_every_round(tiny64):
+    """EAGLE-3 with the cost schedule decodes greedily, then at T = 1: the schedule keeps a regime for each."""
+    proposer = Eagle3Proposer(_eagle3(tiny64))
+    proposer.use("cost", TABLE)
+    schedule = proposer.schedule
+    assert schedule is not None
+    target = HFTarget(tiny64, proposer.aux_ids)
+    decode(target, proposer, [[5, 6, 7]], SamplingParams(), 3, 6)
+    assert schedule.sampling == "greedy" and sum(schedule.verified) > 0
+    gens = [make_generator(tiny64.device, 0)]
+    decode(target, proposer, [[5, 6, 7]], SamplingParams(1.0), 3, 6, generators=gens)
+    assert schedule.sampling == (1.0, 1.0, 0) and set(schedule.regimes) >= {"greedy"}
+    assert sum(schedule.regimes["greedy"]["verified"]) > 0
+
+
 def test_pass_times_are_made_nondecreasing_in_the_width():
     """Timing noise that makes a wider pass look cheaper is pooled away (least squares); a monotone row is kept."""
     assert nondecreasing([58.0, 60.0, 65.0, 66.0, 60.0, 62.0]) == [58.0, 60.0, 63.25, 63.25, 63.25, 63.25]
