@@ -60,6 +60,18 @@ def test_few_fp32_rows_are_multiplied_as_weight_times_input_transposed(monkeypat
         torch.testing.assert_close(out, F.linear(x.contiguous(), layer.weight, layer.bias), **tol)
 
 
+def test_a_layer_hands_a_contiguous_bf16_input_to_f_linear_as_it_is(monkeypatch):
+    """bf16 needs no other product than torch's: a contiguous input goes to `F.linear` as it is (3-D: no reshape or view
+    around it, `nn.Linear`'s own cost), a strided one flattened (away from the slow batched path)."""
+    layer = torch.nn.Linear(24, 40).to(torch.bfloat16)
+    use_cpu_linears(layer)
+    products = Products(monkeypatch, layer.weight)
+    x = torch.randn(2, 3, 24).to(torch.bfloat16)
+    layer(x)
+    layer(x[:, -1:, :])
+    assert products.calls == [("linear", (2, 3, 24)), ("linear", (2, 24))]
+
+
 def test_the_products_keep_gradients_and_empty_inputs():
     layer = torch.nn.Linear(6, 5)
     layer.__class__ = CpuLinear
