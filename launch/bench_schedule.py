@@ -6,10 +6,11 @@ against batch size (the batch curve).
         [--temperatures 0,1] [--batches 1,4,16,64] [--curve-temperatures 0] [--curve-repeats 1]
         [--curve-schedules fixed,threshold,cost] [--schedules fixed,threshold,cost] [--threshold 0.5] [--out DIR]
 
-Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding, then by
-every (drafter, schedule), then by plain decoding again (the A/A column: the noise of a ratio measured this way), one
-right after the other, `--repeats` times; the order is reversed every other prompt and every other repeat (ABBA), so a
-steady drift of the machine's speed favours no configuration. A domain's tokens/s is its tokens over its wall time.
+Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding, by every
+(drafter, schedule) and by plain decoding again (the A/A column: the noise of a ratio measured this way), side by side
+a round at a time (eval's own `Decoder.temperature`, `eval.engine.interleave`: the configuration that has spent the
+least time goes next, so a slow spell of the machine falls on all of them), `--repeats` times; ties go in order, in
+reverse every other prompt and repeat. A domain's tokens/s is its tokens over its configuration's own decode time.
 The batch curve is eval's own (eval.batch_curve, `eval.curve`, which reverses the order every other group), with
 plain decoding again as one more configuration (A/A, the schedule "again"), summed over `--curve-repeats` runs of it
 (the second reversed). The cost tables are measured first (cached like eval's, per run and batch sizes). Prints the

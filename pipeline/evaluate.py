@@ -1,8 +1,8 @@
 """`draftsmith eval`: acceptance length per domain and real speedup, with the exact verifier.
 
 For every prompt, plain decoding, the prompt-lookup baseline and the trained drafters run side by side, a round at a
-time, on the same target in the same process, so speedups compare like with like. Under torchrun / accelerate launch each
-rank decodes a share of the prompt batches on its own device and the main process merges and writes the results.
+time, on the same target in the same process, so speedups compare like with like. Under torchrun / accelerate launch
+each rank decodes a share of the prompt batches on its own device and the main process merges and writes the results.
 Output: RUN_DIR/eval/eval.json (every number with its settings), report.md (also printed) and PNG plots.
 """
 
