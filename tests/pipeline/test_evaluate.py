@@ -256,7 +256,7 @@ def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_fin
 
     cfg = _lookup_only_recipe(tmp_path, test_device)
     calls = []
-    real_decode = evaluate.decode
+    real_decoding = evaluate.decoding
 
     def spy(target, proposer, prompts, params, gamma, max_new_tokens, stops, gens, **kw):
         calls.append((type(proposer).__name__, params.temperature, max_new_tokens))
@@ -265,9 +265,9 @@ def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_fin
         assert all(isinstance(g, torch.Generator) and g.device.type == target.device.type for g in gens)
         if params.temperature == 1.0 and max_new_tokens == 12:
             raise RuntimeError("a failure at the second temperature")
-        return real_decode(target, proposer, prompts, params, gamma, max_new_tokens, stops, gens, **kw)
+        return real_decoding(target, proposer, prompts, params, gamma, max_new_tokens, stops, gens, **kw)
 
-    monkeypatch.setattr(evaluate, "decode", spy)
+    monkeypatch.setattr(evaluate, "decoding", spy)
     with pytest.raises(RuntimeError, match="second temperature"):
         evaluate.run_eval(cfg)
     # every drafter ran untimed (short) at both temperatures before the first timed decode
@@ -281,7 +281,7 @@ def test_eval_warms_up_every_drafter_samples_on_the_targets_device_and_keeps_fin
     assert ev["complete"] is False and [r["temperature"] for r in ev["runs"]] == [0.0]
     assert ev["runs"][0]["overall"]["prompt_lookup"]["prompts"] == 3
     assert not _eval_matches(cfg)
-    monkeypatch.setattr(evaluate, "decode", real_decode)
+    monkeypatch.setattr(evaluate, "decoding", real_decoding)
     evaluate.run_eval(cfg)
     ev = json.loads((cfg.run_path / "eval" / "eval.json").read_text())
     assert ev["complete"] is True and [r["temperature"] for r in ev["runs"]] == [0.0, 1.0] and _eval_matches(cfg)
