@@ -29,7 +29,7 @@ corrects the table with it, per batch size: a plain pass, a wider pass and a dra
 (measured − table) over the rounds seen (a pass clipped to half or twice the table: a stall of the machine is not
 its speed; a draft round that catches up on a prompt or on skipped rounds timed apart: it sets how long a probe
 waits, not what a stretch of drafting costs), shrunk toward 0 by `cost_prior` rounds (a wider pass shrunk toward the
-plain pass's correction, and never less above the plain pass than the table has it). Both sides of the decision must
+plain pass's correction, and above it by the table's increment as the paired timings correct it). Both sides of the decision must
 be timed: a schedule that drafts every round times no plain pass, so while drafting pays by less than `check_margin`
 (the decision hangs on the timings) it takes a plain round now and then (`check_every`, until `check_rounds` plain
 passes are timed at that batch size). A table that made verifying two slots look as cheap as one, or a plain pass
@@ -37,9 +37,9 @@ look dearer than it is, is corrected after the few rounds that drafted on it. On
 than it is would never be: no wider pass is run to show it. So while fewer than `explore_rounds` wider passes are
 timed at a batch size, a drafted round whose first slot does not pay by the table verifies the likeliest row's first
 slot anyway, when that is predicted to cost at most `explore_margin` of the round's rate; and once plain and wider
-passes have been timed one round apart, their paired difference may lower the wider pass's increment (on one AMD
-EPYC, two tables measured minutes apart put a second slot at +0% and +12% of a 32 ms pass, and EAGLE-3 drafted on the
-first and never on the second).
+passes have been timed one round apart, their paired difference corrects the wider pass's increment, up or down
+(on one AMD EPYC, two tables measured minutes apart put a second slot at +0% and +12% of a 32 ms pass, and EAGLE-3
+drafted on the first and never on the second; a third said +0% where pairs of rounds timed +8.9 ms).
 
 What the rounds teach (the online calibration, the timings, the backoff) is kept per sampling regime (`regime`: the
 temperature, top-p and top-k the proposer decodes with): the drafter's confidences do not know the temperature, and a
@@ -328,28 +328,31 @@ class CostSchedule:
 
     def verify_time(self, width: int, batch: int) -> float:
         """The table's pass time corrected by this schedule's measured rounds. A wider pass takes the plain pass's
-        correction until wider passes have been timed (a machine running slower now is slower at every width), and
-        costs less over the plain pass than the table says only by what both sides timed show (`_narrower`). (A
-        schedule that drafts every round times no plain pass; had wider passes timed below the table made them as
-        cheap as the plain pass's stale figure, drafting would look free.)"""
+        correction until wider passes have been timed (a machine running slower now is slower at every width), and its
+        increment over the plain pass is the table's corrected by what plain and wider passes timed a round apart show
+        (`_paired`), up or down. (A schedule that drafts every round times no plain pass; had wider passes timed below
+        the table made them as cheap as the plain pass's stale figure, drafting would look free.)"""
         plain_excess = self._shrunk(batch, "plain")
         table_plain = self.costs.verify_time(1, batch)
         plain = table_plain + plain_excess
         if width == 1:
             return plain
         table = self.costs.verify_time(width, batch)
-        return max(
-            table + self._shrunk(batch, "wide", plain_excess), plain + table - table_plain + self._narrower(batch)
-        )
+        return max(table + self._shrunk(batch, "wide", plain_excess), plain + table - table_plain + self._paired(batch))
 
-    def _narrower(self, batch: int) -> float:
-        """How much less than the table the increment of a wider pass over a plain one is, as timed (≤ 0): the mean
+    def _paired(self, batch: int) -> float:
+        """How much more (or less) than the table the increment of a wider pass over a plain one is, as timed: the mean
         over pairs of a plain and a wider pass timed one round apart of (wider excess − plain excess), shrunk toward 0
         by `cost_prior` pairs, and never below a plain pass. Paired, not the difference of the two means: the plain
         passes are timed in a few stretches (the skipped rounds, the checks) and the wider ones in others, and a
-        2-core machine shared with others changes speed by more than the increment between them (on one AMD EPYC,
-        plain passes timed early at 65 ms against wider ones averaging 62 over the minutes after made a second slot
-        look free, where side by side it cost +4 ms, 7%, and EAGLE-3 drafted at T = 1 at 0.96x of plain decoding)."""
+        2-core machine shared with others changes speed by more than the increment between them. Both ways, on one
+        AMD EPYC:
+        - plain passes timed early at 65 ms against wider ones averaging 62 over the minutes after made a second slot
+          look free, where side by side it cost +4 ms, 7% (EAGLE-3 drafted at T = 1 at 0.96x of plain decoding);
+        - a table measured a pass 2 slots wide at what a plain one took (66.3 ms both), so a first slot paid from 8%
+          acceptance; the means of the rounds said the same (wider passes 6.7 ms under it, plain ones 1.1), while 14
+          pairs put the second slot at +8.9 ms; EAGLE-3 drafted every round, at 0.91x of plain decoding in one domain.
+          Taken only to lower the increment (as they were then), the pairs left that table as it was."""
         seen = self.excess.get(batch)
         if seen is None:
             return 0.0
@@ -357,7 +360,7 @@ class CostSchedule:
         if not n:
             return 0.0
         table = self.costs.verify_time(2, batch) - self.costs.verify_time(1, batch)
-        return max(min(diff / (n + self.cost_prior), 0.0), -table)
+        return max(diff / (n + self.cost_prior), -table)
 
     def round_time(self, batch: int) -> float:
         """The table's draft round corrected by the measured ones that followed a drafted round (the update with the
