@@ -47,9 +47,32 @@ def acceptance_stats(results: Sequence[DecodeResult], gamma: int) -> dict[str, A
     return out
 
 
+def ranking_auc(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """How well confidences rank outcomes: the chance that an accepted position's confidence is above a rejected
+    one's (ties count half), over (confidence, accepted 0/1) pairs; 0.5 is no better than chance. None without both
+    outcomes. Calibration (ECE) says whether a confidence means what it says on the mean; this says whether it tells
+    one slot from another, which is what choosing slots needs (a head calibrated on the mean can rank no better than
+    chance). The Mann-Whitney count over ranks, written out: O(n log n)."""
+    ordered = sorted(pairs, key=lambda p: p[0])
+    positives = sum(1 for _, y in ordered if y > 0.5)
+    negatives = len(ordered) - positives
+    if not positives or not negatives:
+        return None
+    rank_sum, i = 0.0, 0
+    while i < len(ordered):  # tied confidences share the mean of their ranks
+        j = i
+        while j < len(ordered) and ordered[j][0] == ordered[i][0]:
+            j += 1
+        mean_rank = (i + 1 + j) / 2
+        rank_sum += mean_rank * sum(1 for _, y in ordered[i:j] if y > 0.5)
+        i = j
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+
+
 def calibration(results: Sequence[DecodeResult], bins: int = 10) -> dict[str, Any] | None:
     """ECE of per-position confidences against acceptance (given the previous drafts were accepted), and of
-    the cumulative survival Π c_j against 'all drafts up to i accepted'. None when the drafter has no confidences."""
+    the cumulative survival Π c_j against 'all drafts up to i accepted'; the per-position confidences' ranking AUC
+    (`ranking_auc`). None when the drafter has no confidences."""
     pos_pairs, surv_pairs = [], []
     for res in results:
         for confs, (_, a) in zip(res.confidences, res.rounds):
@@ -80,6 +103,7 @@ def calibration(results: Sequence[DecodeResult], bins: int = 10) -> dict[str, An
     se, stable = ece(surv_pairs)
     return {
         "ece": e,
+        "auc": ranking_auc(pos_pairs),
         "reliability": table,
         "survival_ece": se,
         "survival_reliability": stable,

@@ -235,7 +235,7 @@ def plots(ev: dict[str, Any], out: Path) -> list[str]:
                     [b["confidence"] for b in c["reliability"]],
                     [b["accuracy"] for b in c["reliability"]],
                     marker="o",
-                    label=f"{d} (ECE {c['ece']:.3f})",
+                    label=f"{d} (ECE {c['ece']:.3f}" + (f", AUC {c['auc']:.2f})" if c.get("auc") is not None else ")"),
                 )
             ax.set_xlabel("confidence")
             ax.set_ylabel("accepted fraction")
