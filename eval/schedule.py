@@ -29,10 +29,10 @@ corrects the table with it, per batch size: a plain pass, a wider pass and a dra
 (measured − table) over the rounds seen (a pass clipped to half or twice the table: a stall of the machine is not
 its speed; a draft round that catches up on a prompt or on skipped rounds timed apart: it sets how long a probe
 waits, not what a stretch of drafting costs), shrunk toward 0 by `cost_prior` rounds (a wider pass shrunk toward the
-plain pass's correction, and above it by the table's increment as the paired timings correct it). Both sides of the decision must
-be timed: a schedule that drafts every round times no plain pass, so while drafting pays by less than `check_margin`
-(the decision hangs on the timings) it takes a plain round now and then (`check_every`, until `check_rounds` plain
-passes are timed at that batch size). A table that made verifying two slots look as cheap as one, or a plain pass
+plain pass's correction, and above it by the table's increment as the paired timings correct it). Both sides of the
+decision must be timed: a schedule that drafts every round times no plain pass, so while drafting pays by less than
+`check_margin` (the decision hangs on the timings) it takes a plain round now and then (`check_every`, until
+`check_rounds` plain passes are timed at that batch size). A table that made verifying two slots look as cheap as one, or a plain pass
 look dearer than it is, is corrected after the few rounds that drafted on it. One that made a wider pass look dearer
 than it is would never be: no wider pass is run to show it. So while fewer than `explore_rounds` wider passes are
 timed at a batch size, a drafted round whose first slot does not pay by the table verifies the likeliest row's first
