@@ -231,11 +231,12 @@ def plots(ev: dict[str, Any], out: Path) -> list[str]:
             fig, ax = plt.subplots(figsize=(4.5, 4.5))
             ax.plot([0, 1], [0, 1], color="gray", lw=0.8)
             for d, c in calib.items():
+                auc = f", AUC {c['auc']:.2f}" if c.get("auc") is not None else ""  # None: one outcome only, or older
                 ax.plot(
                     [b["confidence"] for b in c["reliability"]],
                     [b["accuracy"] for b in c["reliability"]],
                     marker="o",
-                    label=f"{d} (ECE {c['ece']:.3f}" + (f", AUC {c['auc']:.2f})" if c.get("auc") is not None else ")"),
+                    label=f"{d} (ECE {c['ece']:.3f}{auc})",
                 )
             ax.set_xlabel("confidence")
             ax.set_ylabel("accepted fraction")

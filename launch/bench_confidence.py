@@ -90,7 +90,10 @@ def main() -> None:
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f}"
 
-    print(f"\nEAGLE-3 first slots at T = 0, {torch.backends.cpu.get_cpu_capability()} kernels, {model.dtype}")
+    where = (
+        loaded.device.type if loaded.device.type != "cpu" else f"cpu, {torch.backends.cpu.get_cpu_capability()} kernels"
+    )
+    print(f"\nEAGLE-3 first slots at T = 0 ({where}, {model.dtype})")
     print(
         "| domain | slots | accepted | AUC head | AUC top-1 | top 10% head | top 10% top-1 | top 20% head | top 20% top-1 |"
     )
