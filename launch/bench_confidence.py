@@ -7,8 +7,11 @@ Per eval prompt (the first `--per-domain` of each domain): the target's greedy c
 target pass over prompt + continuation for its aux features, and the drafter over all of them at once (its cached
 decode, teacher-forced): the first slot drafted after each continuation position is accepted when its top token is
 the target's next-but-one token (greedy verification). Prints, over all slots and per domain, the acceptance, the
-ranking AUC (`eval.metrics.ranking_auc`: 0.5 is chance) of each score, and the acceptance of the slots each score puts
-in its top 10 / 20 / 50%; writes OUT/bench_confidence.json. Eval reports the head's AUC over the slots a schedule
+ranking AUC (`eval.metrics.ranking_auc`: 0.5 is chance) of each score (`SCORES`), and the acceptance of the slots each
+score puts in its top 10 / 20 / 50%; writes OUT/bench_confidence.json (with every slot scored, in decoding order, for
+launch/replay_schedule.py). The scores a round knows before it drafts (one
+round old, or the target's own) say whether a schedule could skip the draft round where its slot would fail; on the
+demo's drafter (AMD EPYC, bf16) all ranked at chance (AUC 0.49-0.55), against 0.72 for the slot's own top-1. Eval reports the head's AUC over the slots a schedule
 verified; this one scores every slot, so a schedule's choices do not select what is measured.
 """
 
@@ -18,6 +21,12 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+
+SCORES = ("head", "top1", "target_top1", "last_head", "last_top1", "last_accepted", "recent_accepted")
+"""What a first slot is scored by: the drafter's calibrated head and its top-1 probability for this slot (known once
+the drafter has run), and what a round knows before it drafts: the target's top-1 probability for the token just
+committed, the last slot's head, top-1 probability and fate, and an exponential mean of the decode's earlier fates."""
+BEFORE = SCORES[2:]
 
 
 def main() -> None:
@@ -53,39 +62,62 @@ def main() -> None:
     ids = draft_to_target_ids(drafter.d2t).to(loaded.device)
     plain = HFTarget(model, [], tok.pad_token_id or 0)
     hooked = HFTarget(model, drafter.config.aux_layer_ids, tok.pad_token_id or 0)
-    slots: list[tuple[str, float, float, float]] = []  # (domain, head confidence, top-1 probability, accepted)
-    for prompt in tqdm(eval_prompts(cfg, tok), desc="prompts", unit="prompt"):
+    slots: list[dict] = []  # per first slot: its domain, whether it was accepted, and each score (None: none yet)
+    for index, prompt in enumerate(tqdm(eval_prompts(cfg, tok), desc="prompts", unit="prompt")):
         [res] = decode(plain, NoDraft(), [prompt["ids"]], SamplingParams(temperature=0.0), 1, args.max_new_tokens)
         seq = list(prompt["ids"]) + res.tokens
         with torch.no_grad():
-            _, feats, _ = hooked.prefill([seq])
+            target_logits, feats, _ = hooked.prefill([seq])
             n = len(seq)
             nxt = torch.tensor([seq[1:] + [0]], device=loaded.device)
             positions = torch.arange(n, device=loaded.device)[None]
             logits, conf, _ = drafter.decode(feats, nxt, positions, drafter.new_cache(), from_target=True)
-        probs = torch.softmax(logits[0].float(), -1)
-        top = probs.max(-1)
-        head = drafter.calibrated(conf[0], 0)
+        top = torch.softmax(logits[0].float(), -1).max(-1)
+        head = drafter.calibrated(conf[0], 0).tolist()
+        top1 = top.values.tolist()
+        target_top1 = torch.softmax(target_logits[0].float(), -1).max(-1).values.tolist()
         # the entry at position t (the target's features there, token t + 1) drafts token t + 2; the first slots of
         # decoding start at the prompt's last token
-        for t in range(len(prompt["ids"]) - 1, n - 2):
-            accepted = float(int(ids[top.indices[t]]) == seq[t + 2])
-            slots.append((prompt["domain"], float(head[t]), float(top.values[t]), accepted))
+        first = len(prompt["ids"]) - 1
+        hit = [float(int(ids[top.indices[t]]) == seq[t + 2]) for t in range(n - 2)]
+        recent = None  # exponential mean (weight 0.3 on the newest) of the decode's earlier first slots' fate
+        for t in range(first, n - 2):
+            old = t > first  # a slot one round back exists
+            slots.append(
+                {
+                    "domain": prompt["domain"],
+                    "prompt": index,
+                    "accepted": hit[t],
+                    "head": head[t],
+                    "top1": top1[t],
+                    "target_top1": target_top1[t],  # the target's pass that gave token t + 1: known before drafting
+                    "last_head": head[t - 1] if old else None,
+                    "last_top1": top1[t - 1] if old else None,
+                    "last_accepted": hit[t - 1] if old else None,
+                    "recent_accepted": recent,
+                }
+            )
+            recent = hit[t] if recent is None else 0.7 * recent + 0.3 * hit[t]
 
-    def summary(rows: list[tuple[str, float, float, float]]) -> dict:
-        out: dict = {"slots": len(rows), "accepted": sum(r[3] for r in rows) / max(len(rows), 1)}
-        for name, k in (("head", 1), ("top1", 2)):
-            out[f"auc_{name}"] = ranking_auc([(r[k], r[3]) for r in rows])
-            ranked = sorted(rows, key=lambda r: -r[k])
+    def summary(rows: list[dict]) -> dict:
+        out: dict = {"slots": len(rows), "accepted": sum(r["accepted"] for r in rows) / max(len(rows), 1)}
+        for name in SCORES:
+            scored = [(r[name], r["accepted"]) for r in rows if r[name] is not None]
+            out[f"auc_{name}"] = ranking_auc(scored)
+            ranked = sorted(scored, key=lambda r: -r[0])
             for share in (0.1, 0.2, 0.5):
                 chosen = ranked[: max(1, round(share * len(ranked)))]
-                out[f"accepted_{name}_top{round(100 * share)}"] = sum(r[3] for r in chosen) / len(chosen)
+                out[f"accepted_{name}_top{round(100 * share)}"] = sum(r[1] for r in chosen) / len(chosen)
         return out
 
     by_domain: dict[str, list] = defaultdict(list)
     for row in slots:
-        by_domain[row[0]].append(row)
-    result = {"all": summary(slots), "domains": {d: summary(rows) for d, rows in by_domain.items()}}
+        by_domain[row["domain"]].append(row)
+    result = {
+        "all": summary(slots),
+        "domains": {d: summary(rows) for d, rows in by_domain.items()},
+        "slots": slots,  # every first slot in decoding order per prompt (launch/replay_schedule.py replays them)
+    }
 
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f}"
@@ -104,6 +136,11 @@ def main() -> None:
             f"{s['accepted_head_top10']:.1%} | {s['accepted_top1_top10']:.1%} | "
             f"{s['accepted_head_top20']:.1%} | {s['accepted_top1_top20']:.1%} |"
         )
+    print("\nAUC of what a round knows before it drafts (the next first slot's fate)")
+    print("| domain | " + " | ".join(BEFORE) + " |")
+    print("|---|" + "---|" * len(BEFORE))
+    for name, s in [*sorted(result["domains"].items()), ("**all**", result["all"])]:
+        print(f"| {name} | " + " | ".join(fmt(s[f"auc_{k}"]) for k in BEFORE) + " |")
     out = args.out or cfg.run_path / "bench_confidence"
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_confidence.json").write_text(json.dumps(result, indent=2))

@@ -1,0 +1,148 @@
+"""Replay an EAGLE-3 drafter's first slots through the cost schedule's decision to draft, on a cost table, without a
+target: what the rule (`eval.schedule.CostSchedule`) gains at batch 1 and T = 0 with the noise of a shared machine
+taken out.
+
+    python launch/replay_schedule.py RUN/bench_confidence/bench_confidence.json RUN/bench_paired/bench_schedule.json
+        [--row-priors off,16,8,4,2] [--drafter eagle3] [--orders 20]
+
+The slots are `launch/bench_confidence.py`'s (every first slot of the eval prompts, teacher-forced over the target's
+greedy continuation, with the drafter's calibrated confidence and whether the target accepts it), the table is the
+one `launch/bench_schedule.py` printed and saved. Each prompt is decoded round by round as the engine does: the
+schedule decides from the row's last first-slot confidence whether to draft; a drafted round costs the table's draft
+round and admits the first slot or not; an admitted slot is accepted as the target would (a round then commits two
+tokens and moves two slots on), and the schedule observes it; a round costs the table's pass at its width. Only the
+first slot is replayed (deeper slots were accepted under 3% of the time on the demo's), the table is taken as exact
+(the schedule's own timing corrections are off) and a catch-up costs a draft round. Prints, per domain and overall,
+the speedup over plain decoding and the slots drafted and accepted, for the pooled calibration alone (`off`) and for
+each weight of a row's own (`CostSchedule.row_prior`), beside drafting every round and an oracle that knows each
+prompt's acceptance and drafts every round of the prompts where that pays. The schedule carries what it learns from
+one prompt to the next, so the order matters: the table is for eval's order (domain by domain), and `--orders` more
+replays in shuffled orders give each policy's overall speedup as a mean and range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("slots", type=Path, help="bench_confidence.json")
+    ap.add_argument("costs", type=Path, help="bench_schedule.json (its cost tables)")
+    ap.add_argument("--drafter", default="eagle3")
+    ap.add_argument("--row-priors", default="off,16,8,4,2")
+    ap.add_argument("--orders", type=int, default=20, help="replays in shuffled prompt orders (seeded)")
+    args = ap.parse_args()
+
+    import random
+
+    import torch
+
+    from draftsmith.eval.schedule import CostSchedule, CostTable
+
+    raw = json.loads(args.slots.read_text())
+    if "slots" not in raw:
+        raise SystemExit(f"{args.slots} has no slots: run launch/bench_confidence.py again")
+    saved = json.loads(args.costs.read_text())["costs"][args.drafter]
+    to_int = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 (JSON keys are strings)
+    table = CostTable(
+        verify={int(b): to_int(row) for b, row in saved["verify"].items()},
+        draft_step=to_int(saved["draft_step"]),
+        draft_round=to_int(saved["draft_round"]),
+    )
+    plain, wide, draft = table.verify_time(1, 1), table.verify_time(2, 1), table.round_time(1)
+    pays_from = (wide + draft) / plain - 1
+    prompts: dict[int, list[dict]] = defaultdict(list)
+    for slot in raw["slots"]:
+        prompts[slot["prompt"]].append(slot)
+    on = torch.tensor([True])
+
+    def replay(
+        row_prior: float | None, always: bool = False, oracle: bool = False, order: list[int] | None = None
+    ) -> dict[str, list[float]]:
+        """Per domain: [tokens, seconds, drafted, accepted] over its prompts, decoded in `order` (eval's: sorted) by
+        one schedule."""
+        s = CostSchedule(table, learn_costs=False)
+        if row_prior is not None:
+            s.row_prior = row_prior
+        out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+        for index in order or sorted(prompts):
+            slots = prompts[index]
+            tally = out[slots[0]["domain"]]
+            rate = sum(x["accepted"] for x in slots) / len(slots)
+            s.reset()
+            c0 = torch.tensor([float("nan")], dtype=torch.float64)
+            t = 0
+            while t < len(slots):
+                if oracle:
+                    drafts = rate >= pays_from
+                elif always:
+                    drafts = True
+                else:
+                    drafts = s.worth_drafting(c0, on)
+                if not drafts:
+                    tally[0] += 1
+                    tally[1] += plain
+                    t += 1
+                    continue
+                c = torch.tensor([slots[t]["head"]], dtype=torch.float64)
+                c0 = c
+                s.begin(on)
+                admitted = always or oracle or bool(s.admit(0, c, torch.ones(1, dtype=torch.float64), on).any())
+                s.last = None  # the table is exact here: no timing corrections
+                if not admitted:
+                    tally[0] += 1
+                    tally[1] += draft + plain
+                    t += 1
+                    continue
+                hit = int(slots[t]["accepted"])
+                s.observe([[float(c)]], [hit])
+                tally[0] += 1 + hit
+                tally[1] += draft + wide
+                tally[2] += 1
+                tally[3] += hit
+                t += 1 + hit
+        return out
+
+    runs = {"every round": dict(row_prior=None, always=True)}
+    for prior in args.row_priors.split(","):
+        name = "pooled only" if prior == "off" else f"row_prior {prior}"
+        runs[name] = dict(row_prior=1e12 if prior == "off" else float(prior))
+    runs["oracle (per prompt)"] = dict(row_prior=None, oracle=True)
+    policies = {name: replay(**kw) for name, kw in runs.items()}
+
+    domains = sorted({d for p in policies.values() for d in p})
+
+    def speedup(t: list[float]) -> float:
+        return (t[0] / t[1]) * plain
+
+    print(
+        f"\n{args.drafter} first slots replayed at T = 0, batch 1, on the table: plain {plain * 1e3:.1f} ms, 2 wide "
+        f"{wide * 1e3:.1f} ms, draft round {draft * 1e3:.1f} ms (a first slot pays from {pays_from:.0%} acceptance)"
+    )
+    print("| domain | accepted | " + " | ".join(policies) + " |")
+    print("|---|---|" + "---|" * len(policies))
+    for d in [*domains, "all"]:
+        rows = [x for x in raw["slots"] if d in ("all", x["domain"])]
+        cells = []
+        for p in policies.values():
+            t = [sum(v[i] for k, v in p.items() if d in ("all", k)) for i in range(4)]
+            cells.append(f"{speedup(t):.3f}x ({int(t[2])}/{int(t[3])})")
+        print(f"| {d} | {sum(x['accepted'] for x in rows) / len(rows):.1%} | " + " | ".join(cells) + " |")
+    print("(in brackets: first slots verified / accepted)")
+    if args.orders:
+        rng = random.Random(0)
+        orders = [rng.sample(sorted(prompts), len(prompts)) for _ in range(args.orders)]
+        print(f"\nOverall speedup over {args.orders} shuffled prompt orders: mean [min, max]")
+        print("| policy | speedup |")
+        print("|---|---|")
+        for name, kw in runs.items():
+            ups = [speedup([sum(v[i] for v in replay(**kw, order=o).values()) for i in range(4)]) for o in orders]
+            print(f"| {name} | {sum(ups) / len(ups):.3f}x [{min(ups):.3f}, {max(ups):.3f}] |")
+
+
+if __name__ == "__main__":
+    main()
