@@ -9,7 +9,7 @@ decode, teacher-forced): the first slot drafted after each continuation position
 the target's next-but-one token (greedy verification). Prints, over all slots and per domain, the acceptance, the
 ranking AUC (`eval.metrics.ranking_auc`: 0.5 is chance) of each score (`SCORES`), and the acceptance of the slots each
 score puts in its top 10 / 20 / 50%; writes OUT/bench_confidence.json (with every slot scored, in decoding order, for
-launch/replay_schedule.py). The scores a round knows before it drafts (one
+launch/replay_schedule.py, with each slot's chance of acceptance at T = 1 on the same prefix, sum_v min(p, q)). The scores a round knows before it drafts (one
 round old, or the target's own) say whether a schedule could skip the draft round where its slot would fail; on the
 demo's drafter (AMD EPYC, bf16) all ranked at chance (AUC 0.49-0.55), against 0.72 for the slot's own top-1. Eval reports the head's AUC over the slots a schedule
 verified; this one scores every slot, so a schedule's choices do not select what is measured.
@@ -72,7 +72,12 @@ def main() -> None:
             nxt = torch.tensor([seq[1:] + [0]], device=loaded.device)
             positions = torch.arange(n, device=loaded.device)[None]
             logits, conf, _ = drafter.decode(feats, nxt, positions, drafter.new_cache(), from_target=True)
-        top = torch.softmax(logits[0].float(), -1).max(-1)
+        q = torch.softmax(logits[0].float(), -1)
+        top = q.max(-1)
+        p = torch.softmax(target_logits[0].float(), -1)
+        # at T = 1 a slot drafted from q is accepted with probability sum_v min(p(v), q(v)) (the target's p for the
+        # same token, one position on; q lives on the draft vocabulary)
+        alpha = torch.minimum(p[1:, ids], q[:-1]).sum(-1).tolist()
         head = drafter.calibrated(conf[0], 0).tolist()
         top1 = top.values.tolist()
         target_top1 = torch.softmax(target_logits[0].float(), -1).max(-1).values.tolist()
@@ -88,6 +93,7 @@ def main() -> None:
                     "domain": prompt["domain"],
                     "prompt": index,
                     "accepted": hit[t],
+                    "acceptance_t1": alpha[t],  # its chance at T = 1, on the greedy continuation's prefix
                     "head": head[t],
                     "top1": top1[t],
                     "target_top1": target_top1[t],  # the target's pass that gave token t + 1: known before drafting

@@ -3,7 +3,7 @@ target: what the rule (`eval.schedule.CostSchedule`) gains at batch 1 and T = 0 
 taken out.
 
     python launch/replay_schedule.py RUN/bench_confidence/bench_confidence.json RUN/bench_paired/bench_schedule.json
-        [--row-priors off,16,8,4,2] [--drafter eagle3] [--orders 20]
+        [--row-priors off,16,8,4,2] [--drafter eagle3] [--orders 20] [--temperature 0]
 
 The slots are `launch/bench_confidence.py`'s (every first slot of the eval prompts, teacher-forced over the target's
 greedy continuation, with the drafter's calibrated confidence and whether the target accepts it), the table is the
@@ -17,7 +17,10 @@ the speedup over plain decoding and the slots drafted and accepted, for the pool
 each weight of a row's own (`CostSchedule.row_prior`), beside drafting every round and an oracle that knows each
 prompt's acceptance and drafts every round of the prompts where that pays. The schedule carries what it learns from
 one prompt to the next, so the order matters: the table is for eval's order (domain by domain), and `--orders` more
-replays in shuffled orders give each policy's overall speedup as a mean and range.
+replays in shuffled orders give each policy's overall speedup as a mean and range. With `--temperature 1` a slot is
+accepted with its chance at T = 1 (`acceptance_t1`, drawn once per slot from a seeded generator, the same draws for
+every policy), on the greedy continuation's prefixes (the text a T = 1 decode samples differs; its acceptance is about
+the same).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--drafter", default="eagle3")
     ap.add_argument("--row-priors", default="off,16,8,4,2")
     ap.add_argument("--orders", type=int, default=20, help="replays in shuffled prompt orders (seeded)")
+    ap.add_argument("--temperature", type=int, choices=(0, 1), default=0)
     args = ap.parse_args()
 
     import random
@@ -55,8 +59,11 @@ def main() -> None:
     )
     plain, wide, draft = table.verify_time(1, 1), table.verify_time(2, 1), table.round_time(1)
     pays_from = (wide + draft) / plain - 1
+    draws = random.Random(0)
     prompts: dict[int, list[dict]] = defaultdict(list)
     for slot in raw["slots"]:
+        if args.temperature:  # the slot's fate at T = 1, drawn once
+            slot = {**slot, "accepted": float(draws.random() < slot["acceptance_t1"])}
         prompts[slot["prompt"]].append(slot)
     on = torch.tensor([True])
 
@@ -120,13 +127,13 @@ def main() -> None:
         return (t[0] / t[1]) * plain
 
     print(
-        f"\n{args.drafter} first slots replayed at T = 0, batch 1, on the table: plain {plain * 1e3:.1f} ms, 2 wide "
+        f"\n{args.drafter} first slots replayed at T = {args.temperature}, batch 1, on the table: plain {plain * 1e3:.1f} ms, 2 wide "
         f"{wide * 1e3:.1f} ms, draft round {draft * 1e3:.1f} ms (a first slot pays from {pays_from:.0%} acceptance)"
     )
     print("| domain | accepted | " + " | ".join(policies) + " |")
     print("|---|---|" + "---|" * len(policies))
     for d in [*domains, "all"]:
-        rows = [x for x in raw["slots"] if d in ("all", x["domain"])]
+        rows = [x for p in prompts.values() for x in p if d in ("all", x["domain"])]
         cells = []
         for p in policies.values():
             t = [sum(v[i] for k, v in p.items() if d in ("all", k)) for i in range(4)]

@@ -14,14 +14,20 @@ def test_the_replay_charges_each_round_what_the_table_says(tmp_path, monkeypatch
     every round commits 1 per 1.3 (0.769x) and the oracle does not draft there (1.000x). The easy prompts come first."""
     slots = []
     for prompt, (domain, hit) in enumerate([("easy", 1.0), ("easy", 1.0), ("hard", 0.0), ("hard", 0.0)]):
-        slots += [{"domain": domain, "prompt": prompt, "head": 0.9, "accepted": hit} for _ in range(10)]
+        slots += [
+            {"domain": domain, "prompt": prompt, "head": 0.9, "accepted": hit, "acceptance_t1": hit} for _ in range(10)
+        ]
     (tmp_path / "slots.json").write_text(json.dumps({"slots": slots}))
     table = {"verify": {"1": {"1": 1.0, "2": 1.2}}, "draft_step": {"1": 0.05}, "draft_round": {"1": 0.1}}
     (tmp_path / "costs.json").write_text(json.dumps({"costs": {"eagle3": table}}))
     argv = [str(SCRIPT), str(tmp_path / "slots.json"), str(tmp_path / "costs.json"), "--row-priors", "off,2"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--temperature", "1"])  # chances of 1 and 0: the same fates
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+    at_t1 = capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path(str(SCRIPT), run_name="__main__")
     out = capsys.readouterr().out
+    assert at_t1.replace("T = 1", "T = 0") == out
     rows = {
         line.split(" | ")[0].strip("| "): line.split(" | ")[2:] for line in out.splitlines() if line.startswith("| ")
     }
