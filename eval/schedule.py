@@ -21,9 +21,11 @@ drafted (one round old), drafting pays when those predicted first slots raise th
 round that does not draft costs the drafter nothing (EAGLE-3 catches up on the verified slots in one pass when it
 next drafts), and the drafter is asked again after n, 2n, 4n, ... such rounds to refresh its confidences, n chosen
 so that these probes cost at most a small share (`probe_share`) of the time they save. Nothing one round old tells
-whether the next first slot will be accepted (on the demo's EAGLE-3, every such score ranked it at chance), so this
-decision can only go by a level, and the level is each row's own: its calibrated confidences times how its first slots
-of this decode fared against them (`row_ratio`), since prompts differ more than the pooled calibration says.
+whether the next first slot will be accepted (on the demo's EAGLE-3, every such score ranked it at chance:
+launch/bench_confidence.py), so this decision goes by a level: the rows' confidences as calibrated over the rounds
+verified so far. (Each row's own level within its decode was tried and not kept: a 64-token decode is too short to
+tell a prompt's level from a streak, and replayed on two cost tables it gained 0.5% where drafting broke even and lost
+1.0% where it paid, launch/replay_schedule.py.)
 
 The table is measured once, in a minute of the machine's life, and a 2-core machine shared with others is not the
 same machine a minute later (on one AMD EPYC the same plain batch-4 pass was timed at 57, 76 and 82 ms in three
@@ -158,9 +160,6 @@ class CostSchedule:
 
     prior = 4.0
     """Weight, in slots, of the online calibration's prior (predictions taken as right) against what was seen."""
-    row_prior = 2.0
-    """Weight, in predicted accepted first slots, of the pooled calibration against a row's own first slots of this
-    decode (`row_ratio`)."""
     cost_prior = 2.0
     """Weight, in rounds, of the cost table against the times measured on this schedule's own rounds (`timed`): small,
     since a table measured in one minute can be 20-40% off a minute later, while one round's timing is off by a few
@@ -240,15 +239,6 @@ class CostSchedule:
 
     def observe(self, confidences: list[list[float]], accepted: list[int]) -> None:
         """A verified round: row b drafted with confidences `confidences[b]` and had `accepted[b]` drafts accepted."""
-        first = self.ratio(0)  # the pooled calibration the rows' first slots were predicted with
-        for b, (confs, n) in enumerate(zip(confidences, accepted)):
-            if not confs:
-                continue
-            while len(self.row_hits) <= b:
-                self.row_hits.append(0.0)
-                self.row_predicted.append(0.0)
-            self.row_hits[b] += float(n > 0)
-            self.row_predicted[b] += min(confs[0] * first, 1.0)
         for confs, n in zip(confidences, accepted):
             survival = 1.0
             for i, c in enumerate(confs):
@@ -277,29 +267,13 @@ class CostSchedule:
             return 1.0
         return (self.accepted[0] + self.prior) / (self.verified[0] + self.prior)
 
-    def row_ratio(self, rows: int) -> torch.Tensor:
-        """What each row's calibrated survivals are multiplied by [rows]: its first slots accepted in this decode over
-        what the pooled calibration predicted for them, both plus `row_prior` (1 before any). The pooled calibration is
-        the level over every prompt seen; how much of a prompt's text a drafter can follow differs more than that (on
-        one AMD EPYC, the demo's EAGLE-3 had 6.7% of its first slots accepted on an extraction prompt and 21% on a
-        writing one, at the same confidences), and nothing one round old tells a slot's fate apart (the head's last
-        confidence, its last top-1 probability, whether the last slot was accepted and the target's own top-1
-        probability all ranked the next first slot at an AUC of 0.49-0.55, launch/bench_confidence.py): what a round's
-        decision to draft can know is the level, and the level that matters is this prompt's."""
-        factors = torch.ones(rows, dtype=torch.float64)
-        for b, (hits, predicted) in enumerate(zip(self.row_hits[:rows], self.row_predicted[:rows])):
-            factors[b] = (hits + self.row_prior) / (predicted + self.row_prior)
-        return factors
-
     def reset(self) -> None:
-        """A new decode: no rounds skipped yet, and no row's own first slots seen (`row_ratio`). The backoff is kept, like the online calibration: a drafter that did
+        """A new decode: no rounds skipped yet. The backoff is kept, like the online calibration: a drafter that did
         not pay on the last prompts is probed as rarely on the next (each decode's first round is decided from its
         calibrated prior, and a row whose drafts pay resets the backoff at once). A catch-up said of a round that
         was never timed (a proposer driven outside the engine) does not mark the new decode's first timed round."""
         self.skipped = 0
         self.behind = False
-        self.row_hits: list[float] = []
-        self.row_predicted: list[float] = []
 
     def worth_drafting(self, c0: torch.Tensor, active: torch.Tensor | Sequence[bool]) -> bool:
         """Whether this round runs the drafter at all, from each row's first-slot confidence of the last round it
@@ -316,11 +290,11 @@ class CostSchedule:
         batch, n = len(rows), sum(rows)
         ratio, pooled = self.ratio(0), self.first_slot_rate()
         seen = new = 0.0  # predicted first slots of the rows that drafted before, and of the new rows
-        for c, a, own in zip(c0.tolist(), rows, self.row_ratio(batch).tolist()):
+        for c, a in zip(c0.tolist(), rows):
             if a and math.isnan(c):
                 new += pooled
             elif a:
-                seen += min(c * ratio * own, 1.0)
+                seen += min(c * ratio, 1.0)
         plain_step = self.verify_time(1, batch)
         plain = n / plain_step
         pass_cost = self.round_time(batch) + self.verify_time(2, batch)
@@ -479,7 +453,7 @@ class CostSchedule:
         """The rows that draft slot i, from their confidences `conf` [B] of slot i (read before x_i is drawn) and
         running survivals [B]; sets `halted` when drafting another depth cannot pay."""
         self.steps = i  # depth 0 comes with the round's drafting (draft_round); each later depth is one step
-        raw = (survival * conf * self.row_ratio(conf.shape[0])).where(drafting, torch.zeros_like(conf))
+        raw = (survival * conf).where(drafting, torch.zeros_like(conf))
         s = (raw * self.ratio(i)).clamp(max=1.0)  # the calibrated survival of slot i
         order = [b for b in torch.argsort(s, descending=True, stable=True).tolist() if drafting[b] and s[b] > 0]
         rate = self.expected / self._cost(self.width, self.steps)

@@ -3,7 +3,7 @@ target: what the rule (`eval.schedule.CostSchedule`) gains at batch 1 and T = 0 
 taken out.
 
     python launch/replay_schedule.py RUN/bench_confidence/bench_confidence.json RUN/bench_paired/bench_schedule.json
-        [--row-priors off,16,8,4,2] [--drafter eagle3] [--orders 20] [--temperature 0]
+        [--drafter eagle3] [--orders 20] [--temperature 0]
 
 The slots are `launch/bench_confidence.py`'s (every first slot of the eval prompts, teacher-forced over the target's
 greedy continuation, with the drafter's calibrated confidence and whether the target accepts it), the table is the
@@ -13,9 +13,9 @@ round and admits the first slot or not; an admitted slot is accepted as the targ
 tokens and moves two slots on), and the schedule observes it; a round costs the table's pass at its width. Only the
 first slot is replayed (deeper slots were accepted under 3% of the time on the demo's), the table is taken as exact
 (the schedule's own timing corrections are off) and a catch-up costs a draft round. Prints, per domain and overall,
-the speedup over plain decoding and the slots drafted and accepted, for the pooled calibration alone (`off`) and for
-each weight of a row's own (`CostSchedule.row_prior`), beside drafting every round and an oracle that knows each
-prompt's acceptance and drafts every round of the prompts where that pays. The schedule carries what it learns from
+the speedup over plain decoding and the slots drafted and accepted, for the cost schedule, drafting every round, and an
+oracle that knows each prompt's acceptance beforehand and drafts every round of the prompts where that pays (the best
+any rule deciding from a level could do). The schedule carries what it learns from
 one prompt to the next, so the order matters: the table is for eval's order (domain by domain), and `--orders` more
 replays in shuffled orders give each policy's overall speedup as a mean and range. With `--temperature 1` a slot is
 accepted with its chance at T = 1 (`acceptance_t1`, drawn once per slot from a seeded generator, the same draws for
@@ -36,7 +36,6 @@ def main() -> None:
     ap.add_argument("slots", type=Path, help="bench_confidence.json")
     ap.add_argument("costs", type=Path, help="bench_schedule.json (its cost tables)")
     ap.add_argument("--drafter", default="eagle3")
-    ap.add_argument("--row-priors", default="off,16,8,4,2")
     ap.add_argument("--orders", type=int, default=20, help="replays in shuffled prompt orders (seeded)")
     ap.add_argument("--temperature", type=int, choices=(0, 1), default=0)
     args = ap.parse_args()
@@ -67,14 +66,10 @@ def main() -> None:
         prompts[slot["prompt"]].append(slot)
     on = torch.tensor([True])
 
-    def replay(
-        row_prior: float | None, always: bool = False, oracle: bool = False, order: list[int] | None = None
-    ) -> dict[str, list[float]]:
+    def replay(always: bool = False, oracle: bool = False, order: list[int] | None = None) -> dict[str, list[float]]:
         """Per domain: [tokens, seconds, drafted, accepted] over its prompts, decoded in `order` (eval's: sorted) by
         one schedule."""
         s = CostSchedule(table, learn_costs=False)
-        if row_prior is not None:
-            s.row_prior = row_prior
         out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
         for index in order or sorted(prompts):
             slots = prompts[index]
@@ -114,11 +109,7 @@ def main() -> None:
                 t += 1 + hit
         return out
 
-    runs = {"every round": dict(row_prior=None, always=True)}
-    for prior in args.row_priors.split(","):
-        name = "pooled only" if prior == "off" else f"row_prior {prior}"
-        runs[name] = dict(row_prior=1e12 if prior == "off" else float(prior))
-    runs["oracle (per prompt)"] = dict(row_prior=None, oracle=True)
+    runs = {"every round": dict(always=True), "cost schedule": {}, "oracle (per prompt)": dict(oracle=True)}
     policies = {name: replay(**kw) for name, kw in runs.items()}
 
     domains = sorted({d for p in policies.values() for d in p})

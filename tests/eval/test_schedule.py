@@ -111,34 +111,6 @@ def test_the_schedule_corrects_overconfident_drafts_from_verified_rounds():
     assert right.admit(0, c, torch.ones(1, dtype=torch.float64), on).all()
 
 
-def test_a_prompt_whose_first_slots_keep_failing_stops_drafting_before_the_pooled_calibration_would():
-    """The pooled calibration learned on earlier prompts (first slots at 0.5 accepted 60% of the time) says a first slot
-    at 0.5 pays on this one too (0.5 * 64/54 >= 0.4, the break-even of a round: (1 + s) / (0.1 + 1.3) >= 1 / 1.0);
-    after this decode's first few fail, its own level (`row_ratio`: hits + 2 over predicted + 2) says it does not,
-    while the pooled one still would. A new decode starts from the pooled level again; a row that has not drafted,
-    or a round it did not draft in, counts nothing."""
-    on, c = torch.tensor([True]), torch.tensor([0.5], dtype=torch.float64)
-    s = CostSchedule(TABLE)
-    for r in range(100):
-        s.observe([[0.5]], [int(r % 5 < 3)])
-    s.reset()
-    assert s.worth_drafting(c, on)
-    for _ in range(5):
-        s.observe([[0.5]], [0])
-    assert 0.5 * s.ratio(0) >= 0.4  # the pooled level alone: drafting pays
-    assert not s.worth_drafting(c, on)  # this prompt's: it does not
-    s.begin(on)
-    assert not s.admit(0, c, torch.ones(1, dtype=torch.float64), on).any()
-    s.reset()
-    assert s.row_ratio(1).tolist() == [1.0] and s.worth_drafting(c, on)
-    # per row: one that keeps failing, one that has not drafted yet, one whose first slots are all accepted
-    s = CostSchedule(TABLE)
-    for _ in range(4):
-        s.observe([[0.5], [], [0.5, 0.5]], [0, 0, 2])
-    fail, idle, hit = s.row_ratio(3).tolist()
-    assert fail == pytest.approx(2 / (4 * 0.5 + 2)) and idle == 1.0 and hit == pytest.approx((4 + 2) / (4 * 0.5 + 2))
-
-
 def _round(s: CostSchedule, conf: float, plain: float, wide: float, draft: float) -> int:
     """One round of one row through the schedule (the decision, the admission, the engine's timings: a pass `plain`
     seconds one slot wide, `wide` two wide, `draft` seconds drafting): the slots it verified."""

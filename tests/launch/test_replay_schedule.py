@@ -20,7 +20,7 @@ def test_the_replay_charges_each_round_what_the_table_says(tmp_path, monkeypatch
     (tmp_path / "slots.json").write_text(json.dumps({"slots": slots}))
     table = {"verify": {"1": {"1": 1.0, "2": 1.2}}, "draft_step": {"1": 0.05}, "draft_round": {"1": 0.1}}
     (tmp_path / "costs.json").write_text(json.dumps({"costs": {"eagle3": table}}))
-    argv = [str(SCRIPT), str(tmp_path / "slots.json"), str(tmp_path / "costs.json"), "--row-priors", "off,2"]
+    argv = [str(SCRIPT), str(tmp_path / "slots.json"), str(tmp_path / "costs.json"), "--orders", "3"]
     monkeypatch.setattr(sys, "argv", [*argv, "--temperature", "1"])  # chances of 1 and 0: the same fates
     runpy.run_path(str(SCRIPT), run_name="__main__")
     at_t1 = capsys.readouterr().out
@@ -31,12 +31,8 @@ def test_the_replay_charges_each_round_what_the_table_says(tmp_path, monkeypatch
     rows = {
         line.split(" | ")[0].strip("| "): line.split(" | ")[2:] for line in out.splitlines() if line.startswith("| ")
     }
-    every, pooled, row, oracle = (cell.strip(" |") for cell in rows["easy"])
-    assert every == oracle == "1.538x (10/10)"
-    every, pooled, row, oracle = (cell.strip(" |") for cell in rows["hard"])
+    every, schedule, oracle = (cell.strip(" |") for cell in rows["easy"])
+    assert every == schedule == oracle == "1.538x (10/10)"
+    every, schedule, oracle = (cell.strip(" |") for cell in rows["hard"])
     assert every == "0.769x (20/0)" and oracle == "1.000x (0/0)"
-    # on the pooled calibration alone (the easy prompts' hits in it) the schedule drafts every hard round; on each
-    # row's own level it stops within each hard prompt: fewer slots, a better speedup
-    assert pooled == every
-    assert int(row.split("(")[1].split("/")[0]) < 20 and float(row.split("x")[0]) > 0.769
-    assert "pays from 30% acceptance" in out and "shuffled prompt orders" in out
+    assert "pays from 30% acceptance" in out and "over 3 shuffled prompt orders" in out
