@@ -1,26 +1,24 @@
 """Replay an EAGLE-3 drafter's first slots through the cost schedule's decision to draft, on a cost table, without a
-target: what the rule (`eval.schedule.CostSchedule`) gains at batch 1 and T = 0 with the noise of a shared machine
-taken out.
+target: what the rule (`eval.schedule.CostSchedule`) gains at batch 1 with the noise of a shared machine taken out.
 
     python launch/replay_schedule.py RUN/bench_confidence/bench_confidence.json RUN/bench_paired/bench_schedule.json
         [--drafter eagle3] [--orders 20] [--temperature 0]
 
 The slots are `launch/bench_confidence.py`'s (every first slot of the eval prompts, teacher-forced over the target's
-greedy continuation, with the drafter's calibrated confidence and whether the target accepts it), the table is the
-one `launch/bench_schedule.py` printed and saved. Each prompt is decoded round by round as the engine does: the
-schedule decides from the row's last first-slot confidence whether to draft; a drafted round costs the table's draft
-round and admits the first slot or not; an admitted slot is accepted as the target would (a round then commits two
-tokens and moves two slots on), and the schedule observes it; a round costs the table's pass at its width. Only the
-first slot is replayed (deeper slots were accepted under 3% of the time on the demo's), the table is taken as exact
-(the schedule's own timing corrections are off) and a catch-up costs a draft round. Prints, per domain and overall,
-the speedup over plain decoding and the slots drafted and accepted, for the cost schedule, drafting every round, and an
-oracle that knows each prompt's acceptance beforehand and drafts every round of the prompts where that pays (the best
-any rule deciding from a level could do). The schedule carries what it learns from
-one prompt to the next, so the order matters: the table is for eval's order (domain by domain), and `--orders` more
-replays in shuffled orders give each policy's overall speedup as a mean and range. With `--temperature 1` a slot is
-accepted with its chance at T = 1 (`acceptance_t1`, drawn once per slot from a seeded generator, the same draws for
-every policy), on the greedy continuation's prefixes (the text a T = 1 decode samples differs; its acceptance is about
-the same).
+greedy continuation, with the drafter's calibrated confidence and whether the target accepts it), the table is the one
+`launch/bench_schedule.py` printed and saved. Each prompt is decoded round by round as the engine does: the schedule
+decides from the row's last first-slot confidence whether to draft; a drafted round costs the table's draft round and
+admits the first slot or not; an admitted slot is accepted as the target would (a round then commits two tokens and
+moves two slots on), and the schedule observes it; a round costs the table's pass at its width. Only the first slot is
+replayed (a second slot survived in under 2% of the demo's fixed-γ rounds), the table is taken as exact (the schedule's
+own timing corrections are off) and a catch-up costs a draft round. Prints, per domain and overall, the speedup over
+plain decoding and the slots drafted and accepted, for the cost schedule, drafting every round, and an oracle that knows
+each prompt's acceptance beforehand and drafts every round of the prompts where that pays (the best any rule deciding
+from a level could do). The schedule carries what it learns from one prompt to the next, so the order matters: the table
+is for eval's order (domain by domain), and `--orders` more replays in shuffled orders give each policy's overall
+speedup as a mean and range. With `--temperature 1` a slot is accepted with its chance at T = 1 (`acceptance_t1`, drawn
+once per slot from a seeded generator, the same draws for every policy), on the greedy continuation's prefixes (the text
+a T = 1 decode samples differs; its acceptance is about the same).
 """
 
 from __future__ import annotations
@@ -94,7 +92,6 @@ def main() -> None:
                 c0 = c
                 s.begin(on)
                 admitted = always or oracle or bool(s.admit(0, c, torch.ones(1, dtype=torch.float64), on).any())
-                s.last = None  # the table is exact here: no timing corrections
                 if not admitted:
                     tally[0] += 1
                     tally[1] += draft + plain
