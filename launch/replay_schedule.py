@@ -18,7 +18,8 @@ from a level could do). The schedule carries what it learns from one prompt to t
 is for eval's order (domain by domain), and `--orders` more replays in shuffled orders give each policy's overall
 speedup as a mean and range. With `--temperature 1` a slot is accepted with its chance at T = 1 (`acceptance_t1`, drawn
 once per slot from a seeded generator, the same draws for every policy), on the greedy continuation's prefixes (the text
-a T = 1 decode samples differs; its acceptance is about the same).
+a T = 1 decode samples differs: the demo's EAGLE-3 had a 12.3% chance here, 14.2% of its first slots accepted in a
+T = 1 bench).
 """
 
 from __future__ import annotations
