@@ -24,9 +24,11 @@ so that these probes cost at most a small share (`probe_share`) of the time they
 whether the next first slot will be accepted (on the demo's EAGLE-3, every such score ranked it at chance:
 launch/bench_confidence.py): all this decision can use is a level. A row's last first-slot confidence, calibrated,
 adds only noise to it; replayed on a table where drafting pays, the skips it caused cost 2% at T = 1 against a
-decision from the pooled share of first slots accepted alone (`first_slot_rate`, launch/replay_schedule.py and
-docs/benchmarks.md; not yet changed). Each row's own level within its decode was tried and not kept: a 64-token
-decode is too short to tell a prompt's level from a streak (replayed, it lost 1.0% where drafting pays).
+decision from the pooled share of first slots accepted alone (`first_slot_rate`, launch/replay_schedule.py). That
+decision alone, run on the machine, starved: DSpark's admission turned down every slot at T = 1, so no first slot was
+verified, the share stayed at its prior and every round paid a draft round (0.88x; docs/benchmarks.md). The last
+confidence is at least the admission's own. Each row's own level within its decode was tried and not kept either: a
+64-token decode is too short to tell a prompt's level from a streak (replayed, it lost 1.0% where drafting pays).
 
 The table is measured once, in a minute of the machine's life, and a 2-core machine shared with others is not the
 same machine a minute later (on one AMD EPYC the same plain batch-4 pass was timed at 57, 76 and 82 ms in three
