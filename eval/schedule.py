@@ -120,7 +120,11 @@ class CostTable:
 
     @classmethod
     def load(cls, path: Path) -> CostTable:
-        raw = json.loads(path.read_text())
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> CostTable:
+        """A table as `save` writes it (or as eval.json and bench_schedule.json hold it), parsed."""
         to_int = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 (JSON keys are strings)
         return cls(
             verify={int(b): to_int(row) for b, row in raw["verify"].items()},

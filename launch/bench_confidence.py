@@ -5,14 +5,15 @@ confidence head and by its own top-1 draft probability, on the eval prompts at T
 
 Per eval prompt (the first `--per-domain` of each domain): the target's greedy continuation (plain decoding), then one
 target pass over prompt + continuation for its aux features, and the drafter over all of them at once (its cached
-decode, teacher-forced): the first slot drafted after each continuation position is accepted when its top token is
-the target's next-but-one token (greedy verification). Prints, over all slots and per domain, the acceptance, the
-ranking AUC (`eval.metrics.ranking_auc`: 0.5 is chance) of each score (`SCORES`), and the acceptance of the slots each
-score puts in its top 10 / 20 / 50%; writes OUT/bench_confidence.json (with every slot scored, in decoding order, for
-launch/replay_schedule.py, with each slot's chance of acceptance at T = 1 on the same prefix, sum_v min(p, q)). The scores a round knows before it drafts (one
-round old, or the target's own) say whether a schedule could skip the draft round where its slot would fail; on the
-demo's drafter (AMD EPYC, bf16) all ranked at chance (AUC 0.49-0.55), against 0.72 for the slot's own top-1. Eval reports the head's AUC over the slots a schedule
-verified; this one scores every slot, so a schedule's choices do not select what is measured.
+decode, teacher-forced): the first slot drafted after each continuation position is accepted when its top token is the
+target's next-but-one token (greedy verification). Prints, over all slots and per domain, the acceptance, the ranking
+AUC (`eval.metrics.ranking_auc`: 0.5 is chance) of each score (`SCORES`), and the acceptance of the slots each score
+puts in its top 10 / 20 / 50%; writes OUT/bench_confidence.json (with every slot scored, in decoding order, for
+launch/replay_schedule.py, with each slot's chance of acceptance at T = 1 on the same prefix, sum_v min(p, q)). The
+scores a round knows before it drafts (one round old, or the target's own) say whether a schedule could skip the draft
+round where its slot would fail; on the demo's drafter (AMD EPYC, bf16) all ranked at chance (AUC 0.49-0.55), against
+0.72 for the slot's own top-1. Eval reports the head's AUC over the slots a schedule verified; this one scores every
+slot, so a schedule's choices do not select what is measured.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def main() -> None:
         alpha = torch.minimum(p[1:, ids], q[:-1]).sum(-1).tolist()
         head = drafter.calibrated(conf[0], 0).tolist()
         top1 = top.values.tolist()
-        target_top1 = torch.softmax(target_logits[0].float(), -1).max(-1).values.tolist()
+        target_top1 = p.max(-1).values.tolist()
         # the entry at position t (the target's features there, token t + 1) drafts token t + 2; the first slots of
         # decoding start at the prompt's last token
         first = len(prompt["ids"]) - 1

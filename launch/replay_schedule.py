@@ -48,13 +48,7 @@ def main() -> None:
     raw = json.loads(args.slots.read_text())
     if "slots" not in raw:
         raise SystemExit(f"{args.slots} has no slots: run launch/bench_confidence.py again")
-    saved = json.loads(args.costs.read_text())["costs"][args.drafter]
-    to_int = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 (JSON keys are strings)
-    table = CostTable(
-        verify={int(b): to_int(row) for b, row in saved["verify"].items()},
-        draft_step=to_int(saved["draft_step"]),
-        draft_round=to_int(saved["draft_round"]),
-    )
+    table = CostTable.from_dict(json.loads(args.costs.read_text())["costs"][args.drafter])
     plain, wide, draft = table.verify_time(1, 1), table.verify_time(2, 1), table.round_time(1)
     pays_from = (wide + draft) / plain - 1
     draws = random.Random(0)
@@ -116,7 +110,8 @@ def main() -> None:
         return (t[0] / t[1]) * plain
 
     print(
-        f"\n{args.drafter} first slots replayed at T = {args.temperature}, batch 1, on the table: plain {plain * 1e3:.1f} ms, 2 wide "
+        f"\n{args.drafter} first slots replayed at T = {args.temperature}, batch 1, on the table: "
+        f"plain {plain * 1e3:.1f} ms, 2 wide "
         f"{wide * 1e3:.1f} ms, draft round {draft * 1e3:.1f} ms (a first slot pays from {pays_from:.0%} acceptance)"
     )
     print("| domain | accepted | " + " | ".join(policies) + " |")
