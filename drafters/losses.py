@@ -62,31 +62,87 @@ def shift(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-@torch.no_grad()
-def teacher_from_final(
-    final: torch.Tensor, head_weight: torch.Tensor, draft_ids: torch.Tensor, temperature: float, chunk: int = 2048
-) -> Teacher:
-    """Teacher from final normed hidden states [B,T,H] and the target's lm_head weight [V,H].
+@dataclass
+class FullVocabStats:
+    """What the teacher needs from the target's full-vocabulary logits, beyond the draft-vocab columns: two numbers
+    per position instead of V. A trainer keeps them between epochs (`pipeline.teacher_cache`), since they depend only
+    on the record and the target, and computing them is the one full-vocabulary product of a training step."""
 
-    The full-vocabulary logits are computed in chunks of `chunk` positions (for the argmax and the
-    normalizer) and never kept whole. Greedy (temperature 0) soft labels use temperature 1.
-    """
+    argmax: torch.Tensor
+    """[B, T] the target's argmax over the full vocabulary (target ids)."""
+    lse: torch.Tensor | None
+    """[B, T] fp32 logsumexp of the full-vocabulary logits / temperature; None at temperature 0 (not needed)."""
+
+
+@torch.no_grad()
+def full_vocab_stats(
+    final: torch.Tensor, head_weight: torch.Tensor, temperature: float, chunk: int = 2048
+) -> FullVocabStats:
+    """`FullVocabStats` of final normed hidden states [B, T, H] under the target's lm_head weight [V, H]. The
+    logits are computed in chunks of `chunk` positions and never kept whole."""
     B, T, H = final.shape
     # fp32 logits even inside a bf16 autocast region: rounded to bf16, logits of ~20 move by ~0.1 and the
     # probabilities the drafter is trained toward by ~10%
     weight = head_weight.float()
     flat = final.reshape(-1, H).float()
+    argmax, lse = [], []
+    for start in range(0, flat.shape[0], chunk):
+        with torch.autocast(final.device.type, enabled=False):
+            logits = flat[start : start + chunk] @ weight.T
+        top, norm = _stats_of(logits, temperature)
+        argmax.append(top)
+        lse.append(norm)
+    return FullVocabStats(argmax=torch.cat(argmax).view(B, T), lse=_cat_or_none(lse, B, T))
+
+
+def _stats_of(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(argmax, logsumexp(logits / temperature) or None at temperature 0) of fp32 logits [n, V]."""
+    return logits.argmax(-1), torch.logsumexp(logits / temperature, dim=-1) if temperature > 0 else None
+
+
+def _cat_or_none(parts: list, B: int, T: int) -> torch.Tensor | None:
+    return None if not parts or parts[0] is None else torch.cat(parts).view(B, T)
+
+
+@torch.no_grad()
+def teacher_from_final(
+    final: torch.Tensor,
+    head_weight: torch.Tensor,
+    draft_ids: torch.Tensor,
+    temperature: float,
+    chunk: int = 2048,
+    known: FullVocabStats | None = None,
+) -> Teacher:
+    """Teacher from final normed hidden states [B,T,H] and the target's lm_head weight [V,H].
+
+    Computed in chunks of `chunk` positions, never keeping a chunk's full-vocabulary logits beyond it. The
+    full-vocabulary statistics (argmax, normalizer) are `known` when the caller has them for these positions (a
+    trainer's teacher cache): then only the draft-vocab columns of the logits are computed, a D/V share of the
+    product. Greedy (temperature 0) soft labels use temperature 1.
+    """
+    B, T, H = final.shape
+    if known is not None and temperature > 0 and known.lse is None:
+        raise ValueError("teacher_from_final: a temperature > 0 needs the known full-vocabulary logsumexp")
+    # fp32 logits even inside a bf16 autocast region (see full_vocab_stats)
+    weight = head_weight.float() if known is None else head_weight[draft_ids].float()
+    flat = final.reshape(-1, H).float()
+    known_lse = known.lse.reshape(-1) if known is not None and known.lse is not None else None
     t_soft = temperature if temperature > 0 else 1.0
     probs, exact, argmax = [], [], []
     for start in range(0, flat.shape[0], chunk):
         with torch.autocast(final.device.type, enabled=False):
             logits = flat[start : start + chunk] @ weight.T
-        argmax.append(logits.argmax(-1))
-        cols = logits[:, draft_ids]
+        if known is None:
+            top, lse = _stats_of(logits, temperature)
+            argmax.append(top)
+            cols = logits[:, draft_ids]
+        else:
+            lse, cols = (known_lse[start : start + chunk] if known_lse is not None else None), logits
         probs.append(torch.softmax(cols / t_soft, dim=-1))
         if temperature > 0:
-            exact.append(torch.exp(cols / temperature - torch.logsumexp(logits / temperature, dim=-1, keepdim=True)))
-    argmax_t = torch.cat(argmax).view(B, T)
+            assert lse is not None
+            exact.append(torch.exp(cols / temperature - lse[:, None]))
+    argmax_t = torch.cat(argmax).view(B, T) if known is None else known.argmax.to(final.device, torch.long)
     in_vocab = torch.zeros(head_weight.shape[0], dtype=torch.bool, device=final.device)
     in_vocab[draft_ids] = True
     return Teacher(

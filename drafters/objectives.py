@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from typing_extensions import NotRequired  # typing's own from Python 3.11; the project supports 3.10
 
 from draftsmith.drafters.losses import (
+    FullVocabStats,
     acceptance,
     draft_distribution,
     pad_end,
@@ -47,6 +48,11 @@ class TrainBatch(TypedDict):
     supervised_from: NotRequired[int]
     """The first position whose loss mask is set in any row (T if none), computed where the batch is built, on the
     host: the slots before it are prompt in every row, and EAGLE-3 skips their vocabulary projections. Absent: 0."""
+    teacher_argmax: NotRequired[torch.Tensor]
+    """[B, T] the target's argmax over its full vocabulary at each position, when the trainer has it (its teacher
+    cache, `pipeline.teacher_cache`): the objective then computes only the draft-vocab columns of the teacher."""
+    teacher_lse: NotRequired[torch.Tensor]
+    """[B, T] logsumexp of the full-vocabulary logits / temperature, with `teacher_argmax` at temperature > 0."""
     epoch: int
     """The epoch the batch is drawn in (0 for holdout and calibration batches). An objective that draws at random
     per batch (DSpark's anchors) seeds from (seed, epoch, sequence id): a new draw every epoch, and a resumed run
@@ -81,7 +87,9 @@ def eagle3_objective(
     draft_ids = draft_to_target_ids(inner.d2t)
     # slots before `lo` are supervised at no step: no teacher, logits or loss for them (the rows from lo on)
     lo = heads_from(batch, s.steps)
-    teacher = teacher_from_final(batch["final"][:, lo:].to(device), head_weight, draft_ids, s.temperature)
+    teacher = teacher_from_final(
+        batch["final"][:, lo:].to(device), head_weight, draft_ids, s.temperature, known=known_stats(batch, lo)
+    )
     outs = model(batch["aux"].to(device), input_ids, s.steps, s.checkpoint, lo)
     loss_mask = loss_mask[:, lo:]
 
@@ -117,6 +125,20 @@ def eagle3_objective(
         stats["oov"] = (~teacher.ahead(1).in_vocab & start[:, : T - 1]).sum().float()
         stats["tokens"] = batch["attention_mask"].sum().float().to(device)
     return total, stats
+
+
+def known_stats(batch: TrainBatch, start: int = 0, positions: torch.Tensor | None = None) -> FullVocabStats | None:
+    """The batch's full-vocabulary teacher statistics, when it carries them: at the slots from `start` on, or at
+    `positions` [B, N] (gathered per row). None when it does not (the teacher computes them)."""
+    if "teacher_argmax" not in batch:
+        return None
+    argmax, lse = batch["teacher_argmax"], batch.get("teacher_lse")
+    if positions is not None:
+        return FullVocabStats(
+            argmax.gather(1, positions.to(argmax.device)),
+            None if lse is None else lse.gather(1, positions.to(lse.device)),
+        )
+    return FullVocabStats(argmax[:, start:], None if lse is None else lse[:, start:])
 
 
 def heads_from(batch: TrainBatch, steps: int) -> int:
@@ -221,16 +243,18 @@ def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner
     ok = anchor_valid[..., None] & (pos + 1 < T) & loss_mask.gather(1, nxt.view(B, -1)).view_as(pos)
     valid = ok.long().cumprod(-1).bool()
     final = batch["final"].to(device)
-    gathered = final.gather(1, pos.clamp_max(T - 1).view(B, -1, 1).expand(-1, -1, final.shape[-1]))
+    at = pos.clamp_max(T - 1).view(B, -1)
+    gathered = final.gather(1, at[..., None].expand(-1, -1, final.shape[-1]))
     draft_ids = draft_to_target_ids(inner.d2t)
-    teacher = teacher_from_final(gathered, head_weight, draft_ids, s.temperature)  # [B, A*G, ...]
+    known = known_stats(batch, positions=at)
+    teacher = teacher_from_final(gathered, head_weight, draft_ids, s.temperature, known=known)  # [B, A*G, ...]
     sample_t = s.temperature if s.sample_markov_inputs else None
     logits, conf, prev = model(batch["aux"].to(device), input_ids, attention, anchors, sample_t, generator)
     if sample_t is not None:
         # Slot k conditioned on the drafter's own samples is supervised only while they equal the data tokens: the
         # teacher at p+k is the target's distribution after the *data* prefix, and after any other prefix the
         # target's distribution is unknown here (it would take a target pass over the drafted tokens).
-        data_prev = input_ids.gather(1, pos.clamp_max(T - 1).view(B, -1)).view_as(pos)
+        data_prev = input_ids.gather(1, at).view_as(pos)
         valid = valid & (prev == data_prev).long().cumprod(-1).bool()
     D = logits.shape[-1]
     return logits.reshape(B, -1, D), conf.reshape(B, -1), teacher, valid.reshape(B, -1), draft_ids

@@ -237,7 +237,8 @@ def stage_inputs(
         offline = cfg.train.features == "offline"
         return {
             "target": identity,
-            "train": cfg.train.model_dump(mode="json"),
+            # (not the teacher cache's size: a memory knob, the drafter it trains is the same)
+            "train": cfg.train.model_dump(mode="json", exclude={"teacher_cache_tokens"}),
             "seed": cfg.seed,
             "aux_layer_ids": cfg.collect.aux_layer_ids,
             "source": {"kind": "features", "fingerprint": fingerprint(layout.features)}

@@ -278,6 +278,11 @@ class TrainConfig(Section):
     """Fraction of steps with linear warmup before the cosine decay."""
     max_grad_norm: float = Field(0.5, gt=0.0)
     """Gradient clipping norm."""
+    teacher_cache_tokens: int = Field(50_000_000, ge=0)
+    """Most positions whose full-vocabulary teacher statistics (the target's argmax and softmax normalizer: 8 bytes
+    a position, on the training device, per rank) are kept from the first epoch for the later ones and for every
+    holdout evaluation, so the [positions, vocab] product of the teacher runs once per record; past the cap, the
+    records not kept are computed each time. 0 turns the cache off."""
     gradient_checkpointing: bool = False
     """Recompute each TTT step's layers in backward (less memory, ~30% more compute)."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"

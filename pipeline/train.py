@@ -44,6 +44,7 @@ from draftsmith.pipeline.inputs import input_records
 from draftsmith.pipeline.layout import MANIFEST, RunLayout
 from draftsmith.pipeline.precision import resolve_mixed_precision
 from draftsmith.pipeline.target import load_config_of, load_head_weights, load_target, resolve_target
+from draftsmith.pipeline.teacher_cache import TeacherCache, record_keys
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,8 @@ class Trainer:
             raise StageError(f"train ({family}): {exc}") from None
         # the teacher (the target's lm_head over the final states) is computed in fp32 under any mixed precision
         self.head_weight = head.to(self.device, torch.float32)
+        # ... and its full-vocabulary part is computed once per record, not once per epoch
+        self.teachers = TeacherCache(self.head_weight, t.temperature, t.teacher_cache_tokens)
         self.settings = self.family.objective_settings(t, self.section, cfg.seed)
         # every rank gets the same number of batches (plan_batches), so this check agrees on all of them
         self.batches_per_epoch = len(plan_epoch(self.source, cfg, 0, acc.process_index, acc.num_processes))
@@ -327,7 +330,7 @@ class Trainer:
         """The source's batch of these sequences, with `supervised_from` read from its loss mask while that is still
         on the host (before a loader copies it to the device)."""
         batch = self.source.load_batch(indices)
-        return {**batch, "supervised_from": supervised_from(batch["loss_mask"])}
+        return {**batch, "supervised_from": supervised_from(batch["loss_mask"]), "record_keys": record_keys(batch)}
 
     def batch(self, indices: list[int], epoch: int) -> TrainBatch:
         """The micro-batch of these sequences, as every family's objective takes it."""
@@ -419,7 +422,7 @@ class Trainer:
             batches = batches[: self.cfg.train.holdout_batches]
         sums = DeviceSums(self.device)
         for indices in batches:
-            batch = self.batch(indices, epoch=0)  # the holdout is judged on the same anchors every time
+            batch = self.teachers.fill(self.batch(indices, epoch=0))  # (the same anchors every time)
             with acc.autocast():
                 _, stats = self.family.objective(self.model, batch, self.head_weight, self.settings, self.unwrapped())
             sums.add(stats)
@@ -455,6 +458,7 @@ class Trainer:
             usable = len(batches) // t.gradient_accumulation * t.gradient_accumulation
             with self.loader(batches[self.batch_in_epoch : usable]) as loaded:  # (resumed: from where it stopped)
                 for features in loaded:
+                    features = self.teachers.fill(features)
                     batch: TrainBatch = {**features, "epoch": self.epoch}  # type: ignore[typeddict-item]
                     with acc.accumulate(self.model):
                         with acc.autocast():
@@ -593,6 +597,7 @@ class Trainer:
                 or _read_json(self.dirs.final / "calibration.json"),
                 files=payload_files(self.out, [self.dirs.best.name, self.dirs.final.name]),
                 world_size=acc.num_processes,
+                teacher_cache=self.teachers.summary(),  # (the main process's)
                 seconds=round(seconds, 1),
             )
             log.info(

@@ -116,7 +116,9 @@ class Family:
     """(target parts, section) -> a new drafter. May raise ValueError for a shape it cannot take."""
     objective: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
     """(model, TrainBatch, head_weight, objective settings, unwrapped model) -> (loss, summed statistics). The
-    statistics are those `drafters.objectives.summarize` reads for `settings.steps` steps."""
+    statistics are those `drafters.objectives.summarize` reads for `settings.steps` steps. The batch may carry the
+    teacher's full-vocabulary statistics from the trainer's cache (`drafters.objectives.known_stats`), which
+    `teacher_from_final(..., known=...)` takes instead of computing them."""
     objective_settings: Callable[[Any, Any, int], Any]
     """(train config, section, seed) -> what `objective` takes; it has a `steps` attribute."""
     proposer: Callable[[Any, Any], Any]

@@ -32,9 +32,10 @@ READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu
 """Tensor methods that copy device data to the host (a sync on a GPU)."""
 
 TORCH_DIR = str(Path(torch.__file__).parent)
-HOST_DATA = {"supervised_from"}
+HOST_DATA = {"supervised_from", "record_keys"}
 """Functions that read the batch as loaded, on the host, before it is copied to the device (not a sync on a GPU:
-`supervised_from` returns 0 for a tensor on a device without reading it, and CUDA's sync debug mode checks that)."""
+`supervised_from` returns 0 and `record_keys` None for a tensor on a device without reading it, and CUDA's sync
+debug mode checks that)."""
 STEPS, ACCUMULATION = 3, 3
 
 
