@@ -5,8 +5,11 @@ From the recipe and the target's HF config alone (no weights, no network) it pri
 - disk for offline features: bytes/token (what `collect` stores per token) x tokens;
 - GPU memory per training rank: drafter weights + gradients + AdamW state under the ZeRO stage, activations of
   one micro-batch (the TTT unroll for EAGLE-3, the anchor blocks for DSpark), the teacher head, and the frozen
-  target when `train.features=online` (replicated, or sharded by model.zero3 / model.tp_size);
-- FLOPs per training token, and the GPU-hours per epoch they imply at an assumed MFU.
+  target when `train.features=online` (replicated, or sharded by model.zero3 / model.tp_size), and the teacher
+  cache that keeps each record's full-vocabulary teacher statistics between epochs;
+- FLOPs per training token, and the GPU-hours per epoch they imply at an assumed MFU. The teacher head's
+  full-vocabulary product is counted every epoch, as in the first: later epochs take it from the teacher cache
+  (up to its cap), so the figure is an upper bound by that share.
 
 Every figure is an estimate from closed-form counts (docs/scaling.md derives them); the parameter counts are
 exact for the drafters draftsmith builds. The formulas live in small functions so tests can check them against
@@ -540,6 +543,17 @@ def eagle3_memory(cfg: RunConfig, d: DrafterShape, t: TargetShape, lay: Layout, 
     return memory
 
 
+def teacher_cache_bytes(cfg: RunConfig, tokens: int | None) -> float:
+    """The trainer's teacher cache (pipeline/teacher_cache.py) at its fullest on one rank: 8 B a position (the
+    argmax as int32, the logsumexp as fp32; 4 B at temperature 0) for every position of the run, holdout included,
+    up to `train.teacher_cache_tokens`. Every position, not a rank's share: the records move between ranks from
+    one epoch to the next, so a rank meets most of them. At the cap when the run's tokens are not known."""
+    train = cfg.train
+    per_position = 8 if train.temperature > 0 else 4
+    kept = train.teacher_cache_tokens if tokens is None else min(tokens, train.teacher_cache_tokens)
+    return float(per_position * kept)
+
+
 def peak_total(memory: dict[str, float]) -> float:
     """The peak of a training step from its items: their sum, except that EAGLE-3's teacher logits (computed, and
     freed, before the unroll starts) and the unroll's activations count only the larger of the two."""
@@ -653,7 +667,10 @@ def make_plan(
         if d.family == "eagle3":
             memory = eagle3_memory(cfg, d, t, lay, train.batch_tokens)
             # one sequence of L tokens per micro-batch: what long-context training needs
-            long_sequences = {str(n): peak_total(eagle3_memory(cfg, d, t, lay, n)) for n in LONG_SEQUENCES}
+            long_sequences = {
+                str(n): peak_total(eagle3_memory(cfg, d, t, lay, n)) + teacher_cache_bytes(cfg, total)
+                for n in LONG_SEQUENCES
+            }
             flops = eagle3_flops(d, p, t, s.ttt_steps, mean_len)
         else:
             memory = state_bytes(p, lay)
@@ -663,6 +680,7 @@ def make_plan(
             memory["teacher lm_head (fp32)"] = 4.0 * t.vocab * t.hidden
             memory.update(target_bytes(t, lay, train.batch_tokens, n_aux_store))
             flops = dspark_flops(d, p, t, mean_len)
+        memory["teacher cache"] = teacher_cache_bytes(cfg, total)
         if lay.online:
             flops.update(online_flops(t, mean_len))
         per_token = sum(flops.values())

@@ -422,7 +422,8 @@ class Trainer:
             batches = batches[: self.cfg.train.holdout_batches]
         sums = DeviceSums(self.device)
         for indices in batches:
-            batch = self.teachers.fill(self.batch(indices, epoch=0))  # (the same anchors every time)
+            # epoch 0: the holdout is judged on the same anchors every time
+            batch = self.teachers.fill(self.batch(indices, epoch=0))
             with acc.autocast():
                 _, stats = self.family.objective(self.model, batch, self.head_weight, self.settings, self.unwrapped())
             sums.add(stats)

@@ -75,19 +75,21 @@ def test_a_memory(plan_a):
     assert m["activations (TTT unroll)"] == 5_534_720
     assert m["teacher lm_head (fp32)"] == 4 * 384 * 64 == 98_304
     assert m["teacher logits (one chunk)"] == 160 * 384 * 8 == 491_520
+    # the teacher cache at its fullest: all 10,000 tokens x (4 B argmax + 4 B logsumexp at temperature 1)
+    assert m["teacher cache"] == 80_000
     # the teacher's logits are freed before the unroll: the total counts the larger (the activations)
-    # 429,060*2 + 858,120 + 98,304 + 5,534,720 + 98,304 = 7,447,568
-    assert plan_a.drafters[0]["memory_total_bytes"] == 7_447_568
+    # 429,060*2 + 858,120 + 98,304 + 5,534,720 + 98,304 + 80,000 = 7,527,568
+    assert plan_a.drafters[0]["memory_total_bytes"] == 7_527_568
 
 
 def test_a_long_sequences(plan_a):
     """The same drafter with one sequence of L tokens per micro-batch: per token, the steps' layers 5888 + 5904 +
     6160, the heads 3*4096, the last logits' gradient 256*4 = 1024, the inputs 1024 + 256 + 2048 = 3328 -> 34,592 B;
-    plus the weights, gradients, moments, frozen embedding and teacher head (1,912,848 B); the teacher's logits
-    (2048*384*8 = 6,291,456) are smaller than the activations."""
+    plus the weights, gradients, moments, frozen embedding, teacher head and teacher cache (1,912,848 + 80,000 =
+    1,992,848 B); the teacher's logits (2048*384*8 = 6,291,456) are smaller than the activations."""
     long = plan_a.drafters[0]["long_sequence_memory_bytes"]
-    # 34,592*4096 + 1,912,848 = 143,601,680; 34,592*8192 + ... = 285,290,512; 34,592*16384 + ... = 568,668,176
-    assert long == {"4096": 143_601_680, "8192": 285_290_512, "16384": 568_668_176}
+    # 34,592*4096 + 1,992,848 = 143,681,680; 34,592*8192 + ... = 285,370,512; 34,592*16384 + ... = 568,748,176
+    assert long == {"4096": 143_681_680, "8192": 285_370_512, "16384": 568_748_176}
 
 
 def test_eagle3_activations_are_linear_in_sequence_length():
@@ -248,10 +250,12 @@ def test_b_eagle3(plan_b):
     assert m["target weights (bf16)"] == 245_924_864 * 2 / 8 == 61_481_216
     # one forward's working set: 4096 * ((4+1)*1024 + 4*1024 + 2*2816) * 2 = 121,634,816
     assert m["target forward"] == 121_634_816
-    # weights, gradients, optimizer, activations, fp32 teacher head, target; the teacher's logits (smaller than the
-    # activations) are not counted
-    assert d["memory_total_bytes"] == pytest.approx(2_076_714_115.75)  # 51,520,514 + 65,536,000 + 6,440,064.25
-    # + 38,640,385.5 + 1,600,389,120 + 4*32000*1024 (fp32 teacher head) + 61,481,216 + 121,634,816
+    # the teacher cache: 1,000 records x 768 tokens x 8 B
+    assert m["teacher cache"] == 768_000 * 8 == 6_144_000
+    # weights, gradients, optimizer, activations, fp32 teacher head, target, teacher cache; the teacher's logits
+    # (smaller than the activations) are not counted
+    assert d["memory_total_bytes"] == pytest.approx(2_082_858_115.75)  # 51,520,514 + 65,536,000 + 6,440,064.25
+    # + 38,640,385.5 + 1,600,389,120 + 4*32000*1024 (fp32 teacher head) + 61,481,216 + 121,634,816 + 6,144,000
     f = d["flops_per_token"]
     assert f["drafter"] == 6 * 25_760_257 * 7 == 1_081_930_794
     assert f["drafter attention"] == 16 * 64 * 768 * 6 * 7 == 33_030_144
@@ -276,7 +280,7 @@ def test_b_dspark(plan_b):
     #   inputs 2*4096*1024*2 = 16,777,216
     #   heads 1024*8000*10 + 1024*8128*2 + 1024*8000*4 + 1024*1152*2 = 133,693,440
     assert m["activations (anchor blocks)"] == 220_856_320
-    assert d["memory_total_bytes"] == pytest.approx(728_598_435.75)  # fp32 teacher head
+    assert d["memory_total_bytes"] == pytest.approx(734_742_435.75)  # fp32 teacher head; teacher cache 6,144,000
     f = d["flops_per_token"]
     # ρ = 64 anchors * 8 / 768 = 2/3 block slots per context token
     assert f["drafter (context)"] == 6 * (2 * 1024 * 1024 + 2 * 2 * 1024 * 256) == 18_874_368

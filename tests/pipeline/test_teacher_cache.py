@@ -3,9 +3,7 @@ first time it is met, served afterwards, and give the objectives the teacher the
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -19,8 +17,6 @@ from draftsmith.drafters.objectives import (
     supervised_from,
 )
 from draftsmith.pipeline import teacher_cache as cache_module
-from draftsmith.pipeline import train as train_stage
-from draftsmith.pipeline.config import load_config
 from draftsmith.pipeline.teacher_cache import TeacherCache, record_keys
 
 V, H = 300, 32
@@ -194,72 +190,3 @@ def test_the_objectives_give_the_same_loss_and_statistics_with_the_cache(family,
         for k in stats:
             torch.testing.assert_close(stats_c[k], stats[k], atol=1e-4, rtol=1e-5, msg=k)
     assert cache.computed == 3 and cache.served == 3 and math.isfinite(float(loss.detach()))
-
-
-def test_training_serves_the_teacher_from_the_cache_and_learns_the_same(workspace_factory, tmp_path):
-    """Two epochs and holdout evaluations: every record after its first batch is served, and the run matches one
-    with the cache off (the same batches and teacher, up to the rounding of a narrower product)."""
-    cfg_on = workspace_factory(tmp_path / "on", "train.epochs=2", "train.eval_every=2", "train.temperature=0.8")
-    cfg_off = workspace_factory(
-        tmp_path / "off",
-        "train.epochs=2",
-        "train.eval_every=2",
-        "train.temperature=0.8",
-        "train.teacher_cache_tokens=0",
-    )
-    manifests = []
-    for cfg in (cfg_on, cfg_off):
-        out = train_stage.run_train(cfg) / "eagle3"
-        manifests.append(json.loads((out / "manifest.json").read_text()))
-    on, off = manifests
-    kept = on["teacher_cache"]
-    assert kept["records"] > 0 and kept["rows_served"] > kept["rows_computed"]
-    assert kept["rows_computed"] == kept["records"]  # each record computed once
-    assert off["teacher_cache"]["rows_computed"] == 0 and off["teacher_cache"]["records"] == 0
-    a = [(h["step"], h.get("train/loss"), h.get("holdout/tau_sim")) for h in on["history"]]
-    b = [(h["step"], h.get("train/loss"), h.get("holdout/tau_sim")) for h in off["history"]]
-    assert [x[0] for x in a] == [x[0] for x in b]
-    for x, y in zip(a, b):
-        for u, v in zip(x[1:], y[1:]):
-            assert (u is None) == (v is None) and (u is None or abs(u - v) <= 1e-4 * max(1.0, abs(v))), (x, y)
-
-
-@pytest.fixture(scope="module")
-def _cache_workspace(tmp_path_factory, write_chats):
-    from draftsmith.pipeline.collect import run_collect
-    from draftsmith.pipeline.prepare import run_prepare
-    from tests.tiny import save_tiny_target
-
-    root = tmp_path_factory.mktemp("cache-ws")
-    target = save_tiny_target(root / "target", seed=0, num_layers=4)
-    data = root / "chat.jsonl"
-    write_chats(data, 12)
-    base = [
-        f"model.target={target}",
-        f"data.sources=[{{path: {data}}}]",
-        "data.holdout_fraction=0.25",
-        "collect.aux_layer_ids=[1,2,3]",
-        "collect.dtype=float32",
-        "train.batch_tokens=160",
-        "train.eagle3.ttt_steps=2",
-        "train.log_every=1",
-        "train.save_every=1000",
-        "train.draft_vocab_size=384",
-        "model.dtype=float32",
-        "train.mixed_precision='no'",
-    ]
-    cfg = load_config(None, [f"run_dir={root / 'run'}", *base])
-    run_prepare(cfg)
-    run_collect(cfg)
-    return root, base
-
-
-@pytest.fixture
-def workspace_factory(_cache_workspace, test_device, monkeypatch):
-    root, base = _cache_workspace
-
-    def make(run, *overrides):
-        shutil.copytree(root / "run", run, ignore=shutil.ignore_patterns("train"))
-        return load_config(None, [f"run_dir={run}", *base, *overrides])
-
-    return make

@@ -162,6 +162,29 @@ def test_resume_is_exact(workspace, tmp_path, monkeypatch, deterministic):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_teacher_cache_serves_every_record_after_its_first_batch_and_trains_the_same(workspace, tmp_path):
+    """Two epochs with holdout evaluations: each record's full-vocabulary teacher statistics are computed once and
+    served afterwards, and every logged figure but speed and memory matches a run with the cache off (the same
+    batches and teacher, up to the rounding of a narrower product)."""
+    common = ["train.epochs=2", "train.eval_every=2", "train.temperature=0.8"]
+    manifests = []
+    for name, extra in (("on", []), ("off", ["train.teacher_cache_tokens=0"])):
+        out = train_stage.run_train(_cfg(workspace, tmp_path / name, *common, *extra)) / "eagle3"
+        manifests.append(json.loads((out / "manifest.json").read_text()))
+    on, off = manifests
+    kept = on["teacher_cache"]
+    assert kept["records"] > 0 and kept["rows_computed"] == kept["records"]  # each record computed once
+    assert kept["rows_served"] > kept["rows_computed"]
+    assert off["teacher_cache"]["rows_computed"] == 0 and off["teacher_cache"]["records"] == 0
+    assert [h["step"] for h in on["history"]] == [h["step"] for h in off["history"]]
+    assert any("holdout/tau" in h for h in on["history"])
+    speed = ("train/tokens_per_s", "train/peak_memory_mb")
+    for x, y in zip(on["history"], off["history"]):
+        assert x.keys() == y.keys()
+        for k in x.keys() - {"step", *speed}:
+            assert abs(x[k] - y[k]) <= 1e-4 * max(1.0, abs(y[k])), (x["step"], k, x[k], y[k])
+
+
 def _torchrun(recipe, out, env_extra, *overrides):
     # CPU-only: two ranks cannot share one GPU over NCCL; with the GPU hidden they run over gloo on the CPU
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env_extra)
