@@ -317,7 +317,8 @@ def eagle3_calibration_data(model, batch: TrainBatch, head_weight: torch.Tensor,
     input_ids = batch["input_ids"].to(device)
     loss_mask = (batch["loss_mask"].to(device) > 0) & batch["attention_mask"].to(device)
     draft_ids = draft_to_target_ids(model.d2t)
-    teacher = teacher_from_final(batch["final"].to(device), head_weight, draft_ids, s.temperature)
+    known = known_stats(batch)
+    teacher = teacher_from_final(batch["final"].to(device), head_weight, draft_ids, s.temperature, known=known)
     outs = model.ttt_forward(batch["aux"].to(device), input_ids, s.steps)
     conf = torch.stack([c.float() for _, c in outs], -1)
     T = input_ids.shape[1]

@@ -566,7 +566,7 @@ class Trainer:
         holdout = plan_epoch(self.source, self.cfg, 0, 0, 1, split="holdout")
         mine = holdout[acc.process_index :: acc.num_processes]
         for indices in mine:
-            yield self.batch(indices, epoch=0)
+            yield self.teachers.fill(self.batch(indices, epoch=0))  # (kept since the holdout evaluations)
         if self._online() and holdout:
             for _ in range(-(-len(holdout) // acc.num_processes) - len(mine)):
                 self.source.load_batch(holdout[0])  # the target's forward, in step with the other ranks

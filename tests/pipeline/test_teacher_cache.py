@@ -12,7 +12,9 @@ from draftsmith.drafters.losses import full_vocab_stats, teacher_from_final
 from draftsmith.drafters.objectives import (
     DSparkObjectiveSettings,
     ObjectiveSettings,
+    dspark_calibration_data,
     dspark_objective,
+    eagle3_calibration_data,
     eagle3_objective,
     supervised_from,
 )
@@ -176,9 +178,10 @@ def test_the_objectives_give_the_same_loss_and_statistics_with_the_cache(family,
     if family == "eagle3":
         model = test_eagle3._drafter(dtype=torch.float32, seed=6, device=test_device)
         objective, settings = eagle3_objective, ObjectiveSettings(steps=3, temperature=temperature)
+        calibration = eagle3_calibration_data
     else:
         model = test_dspark._drafter(dtype=torch.float32, seed=6, block_size=3, device=test_device)
-        objective = dspark_objective
+        objective, calibration = dspark_objective, dspark_calibration_data
         settings = DSparkObjectiveSettings(block_size=3, anchors_per_sequence=4, temperature=temperature)
     cache = TeacherCache(head, temperature, capacity_tokens=10_000)
     loss, stats = objective(model, _batch(recs), head, settings)
@@ -190,3 +193,12 @@ def test_the_objectives_give_the_same_loss_and_statistics_with_the_cache(family,
         for k in stats:
             torch.testing.assert_close(stats_c[k], stats[k], atol=1e-4, rtol=1e-5, msg=k)
     assert cache.computed == 3 and cache.served == 3 and math.isfinite(float(loss.detach()))
+    # the calibration data after training (from the holdout, whose records the evaluations have kept)
+    with torch.no_grad():
+        plain, served = calibration(model, _batch(recs), head, settings), calibration(model, filled, head, settings)
+    (conf, alpha, valid), (conf_p, alpha_p, valid_p) = served, plain
+    assert torch.equal(valid, valid_p) and valid.any()
+    torch.testing.assert_close(conf, conf_p)
+    # where a chain is valid; past a row's end the teacher is padding (probability 0 from the cache, the padded
+    # final state's softmax without it) and the fit never reads it
+    torch.testing.assert_close(alpha[valid], alpha_p[valid], atol=1e-5, rtol=1e-5)
