@@ -65,7 +65,7 @@ def shift(x: torch.Tensor, n: int) -> torch.Tensor:
 @dataclass
 class FullVocabStats:
     """What the teacher needs from the target's full-vocabulary logits, beyond the draft-vocab columns: two numbers
-    per position instead of V. A trainer keeps them between epochs (`pipeline.teacher_cache`), since they depend only
+    per position instead of V. A trainer keeps them between epochs (`drafters.teacher_cache`), since they depend only
     on the record and the target, and computing them is the one full-vocabulary product of a training step."""
 
     argmax: torch.Tensor

@@ -50,7 +50,7 @@ class TrainBatch(TypedDict):
     host: the slots before it are prompt in every row, and EAGLE-3 skips their vocabulary projections. Absent: 0."""
     teacher_argmax: NotRequired[torch.Tensor]
     """[B, T] the target's argmax over its full vocabulary at each position, when the trainer has it (its teacher
-    cache, `pipeline.teacher_cache`): the objective then computes only the draft-vocab columns of the teacher."""
+    cache, `drafters.teacher_cache`): the objective then computes only the draft-vocab columns of the teacher."""
     teacher_lse: NotRequired[torch.Tensor]
     """[B, T] logsumexp of the full-vocabulary logits / temperature, with `teacher_argmax` at temperature > 0."""
     epoch: int

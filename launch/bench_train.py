@@ -10,7 +10,7 @@ lm_head over every position, chunked) is also timed on its own, so its share of 
 
 Every batch is stepped twice, side by side: once as in the first epoch (the objective computes the teacher's
 full-vocabulary argmax and normalizer itself) and once as in every later epoch and holdout evaluation, where the
-trainer's teacher cache (`pipeline/teacher_cache.py`) serves them and only the draft-vocab columns are computed.
+trainer's teacher cache (`drafters/teacher_cache.py`) serves them and only the draft-vocab columns are computed.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ def main() -> None:
     from draftsmith.drafters.eagle3 import Eagle3Drafter
     from draftsmith.drafters.losses import full_vocab_stats
     from draftsmith.drafters.objectives import ObjectiveSettings, eagle3_objective
+    from draftsmith.drafters.teacher_cache import TeacherCache, record_keys
     from draftsmith.drafters.vocab import select_draft_vocab
     from draftsmith.pipeline.config import ModelConfig, SourceConfig
     from draftsmith.pipeline.target import load_target
-    from draftsmith.pipeline.teacher_cache import TeacherCache, record_keys
 
     target = load_target(ModelConfig(target=args.target, dtype="float32"))
     model, tok = target.model, target.tokenizer

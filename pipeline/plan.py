@@ -544,7 +544,7 @@ def eagle3_memory(cfg: RunConfig, d: DrafterShape, t: TargetShape, lay: Layout, 
 
 
 def teacher_cache_bytes(cfg: RunConfig, tokens: int | None) -> float:
-    """The trainer's teacher cache (pipeline/teacher_cache.py) at its fullest on one rank: 8 B a position (the
+    """The trainer's teacher cache (drafters/teacher_cache.py) at its fullest on one rank: 8 B a position (the
     argmax as int32, the logsumexp as fp32; 4 B at temperature 0) for every position of the run, holdout included,
     up to `train.teacher_cache_tokens`. Every position, not a rank's share: the records move between ranks from
     one epoch to the next, so a rank meets most of them. At the cap when the run's tokens are not known."""

@@ -33,6 +33,7 @@ from draftsmith.data.artifacts import atomic_write_text, write_manifest
 from draftsmith.data.feature_store import BatchLoader, FeatureStore
 from draftsmith.data.features import FeatureSource, OnlineFeatureSource, plan_batches, resolve_aux_ids
 from draftsmith.drafters.objectives import TrainBatch, summarize, supervised_from
+from draftsmith.drafters.teacher_cache import TeacherCache, record_keys
 from draftsmith.drafters.vocab import select_draft_vocab
 from draftsmith.pipeline.completion import Status, completion, payload_files, stage_inputs, write_progress
 from draftsmith.pipeline.config import RunConfig
@@ -44,7 +45,6 @@ from draftsmith.pipeline.inputs import input_records
 from draftsmith.pipeline.layout import MANIFEST, RunLayout
 from draftsmith.pipeline.precision import resolve_mixed_precision
 from draftsmith.pipeline.target import load_config_of, load_head_weights, load_target, resolve_target
-from draftsmith.pipeline.teacher_cache import TeacherCache, record_keys
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The trainer's teacher cache (pipeline/teacher_cache.py): the full-vocabulary statistics of a record are computed the
+"""The trainer's teacher cache (drafters/teacher_cache.py): the full-vocabulary statistics of a record are computed the
 first time it is met, served afterwards, and give the objectives the teacher they would compute themselves."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from draftsmith.drafters import teacher_cache as cache_module
 from draftsmith.drafters.losses import full_vocab_stats, teacher_from_final
 from draftsmith.drafters.objectives import (
     DSparkObjectiveSettings,
@@ -18,8 +19,7 @@ from draftsmith.drafters.objectives import (
     eagle3_objective,
     supervised_from,
 )
-from draftsmith.pipeline import teacher_cache as cache_module
-from draftsmith.pipeline.teacher_cache import TeacherCache, record_keys
+from draftsmith.drafters.teacher_cache import TeacherCache, record_keys
 
 V, H = 300, 32
 
