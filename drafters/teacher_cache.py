@@ -96,7 +96,7 @@ class TeacherCache:
                     None if stats.lse is None else stats.lse[row, :length].clone(),
                 )
                 self.computed += 1
-                if key not in self._entries and self.tokens + length <= self.capacity:  # (a row repeated)
+                if self.tokens + length <= self.capacity:  # (a row repeated in the batch is served, stored once)
                     self._entries[key] = entry
                     self.tokens += length
             else:

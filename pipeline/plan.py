@@ -660,6 +660,7 @@ def make_plan(
         feature_disk_bytes=None if total is None else bpt * total,
         layout=asdict(lay),
     )
+    cache = teacher_cache_bytes(cfg, total)  # the same for every family
     for d in drafter_shapes(cfg, t):
         p = drafter_params(d)
         s: Any = train.section(d.family)
@@ -667,10 +668,7 @@ def make_plan(
         if d.family == "eagle3":
             memory = eagle3_memory(cfg, d, t, lay, train.batch_tokens)
             # one sequence of L tokens per micro-batch: what long-context training needs
-            long_sequences = {
-                str(n): peak_total(eagle3_memory(cfg, d, t, lay, n)) + teacher_cache_bytes(cfg, total)
-                for n in LONG_SEQUENCES
-            }
+            long_sequences = {str(n): peak_total(eagle3_memory(cfg, d, t, lay, n)) + cache for n in LONG_SEQUENCES}
             flops = eagle3_flops(d, p, t, s.ttt_steps, mean_len)
         else:
             memory = state_bytes(p, lay)
@@ -680,7 +678,7 @@ def make_plan(
             memory["teacher lm_head (fp32)"] = 4.0 * t.vocab * t.hidden
             memory.update(target_bytes(t, lay, train.batch_tokens, n_aux_store))
             flops = dspark_flops(d, p, t, mean_len)
-        memory["teacher cache"] = teacher_cache_bytes(cfg, total)
+        memory["teacher cache"] = cache
         if lay.online:
             flops.update(online_flops(t, mean_len))
         per_token = sum(flops.values())
