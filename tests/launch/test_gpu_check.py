@@ -53,6 +53,43 @@ def test_gpu_check_tiny_runs_every_step_on_cpu(tmp_path):
     assert "summary.md" in names and "results/zero2/zero2.json" in names and not any("work" in n for n in names)
 
 
+def test_gpu_check_runs_only_the_steps_asked(tmp_path):
+    """--steps splits the check over two device calls (the demo's model travels in two parts): the steps named run,
+    in the check's order, and the summary lists those alone."""
+    out = tmp_path / "check"
+    env = {k: v for k, v in os.environ.items() if k not in ("DRAFTSMITH_TEST_DEVICE", "OUT", "PYTHONPATH")}
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", GPU_CHECK_MODEL_PARTS=str(tmp_path / "no-model"))
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "gpu_check.sh"), "--tiny", "--steps", "install,env", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    summary = (out / "summary.tsv").read_text() if (out / "summary.tsv").is_file() else ""
+    assert proc.returncode == 0, (summary, proc.stdout[-4000:], proc.stderr[-2000:])
+    rows = [line.split("\t") for line in summary.splitlines()]
+    assert [(r[0], r[1]) for r in rows] == [("env", "PASS"), ("install", "PASS")]
+    assert not (out / "logs" / "tests.log").exists() and not (out / "logs" / "demo.log").exists()
+    # the model's parts are looked for only when the demo runs
+    assert "no parts.txt" not in (out / "logs" / "install.log").read_text()
+
+
+@pytest.mark.parametrize("args", [["--steps", "env,tset"], ["--steps"]])
+def test_gpu_check_refuses_unknown_steps(tmp_path, args):
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "gpu_check.sh"), "--tiny", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2 and "--steps" in proc.stderr, proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_gpu_check_refuses_unknown_flags(tmp_path):
     proc = subprocess.run(
         ["bash", str(REPO / "launch" / "gpu_check.sh"), "--tiyn", str(tmp_path)],
