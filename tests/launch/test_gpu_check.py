@@ -23,12 +23,13 @@ STEPS = {
 }
 
 
-def test_gpu_check_tiny_runs_every_step_on_cpu(tmp_path):
-    out = tmp_path / "check"
+def run_tiny_check(out: Path, *flags: str, **env_extra: str) -> tuple[subprocess.CompletedProcess, str]:
+    """`gpu_check.sh --tiny [flags] OUT` on this CPU, with the GPU-side variables cleared; the run and its
+    summary.tsv ('' if none was written)."""
     env = {k: v for k, v in os.environ.items() if k not in ("DRAFTSMITH_TEST_DEVICE", "OUT", "PYTHONPATH")}
-    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", **env_extra)
     proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "gpu_check.sh"), "--tiny", str(out)],
+        ["bash", str(REPO / "launch" / "gpu_check.sh"), "--tiny", *flags, str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -37,6 +38,12 @@ def test_gpu_check_tiny_runs_every_step_on_cpu(tmp_path):
         check=False,
     )
     summary = (out / "summary.tsv").read_text() if (out / "summary.tsv").is_file() else ""
+    return proc, summary
+
+
+def test_gpu_check_tiny_runs_every_step_on_cpu(tmp_path):
+    out = tmp_path / "check"
+    proc, summary = run_tiny_check(out)
     assert proc.returncode == 0, (summary, proc.stdout[-6000:], proc.stderr[-2000:])
     rows = [line.split("\t") for line in summary.splitlines()]
     assert [r[0] for r in rows] == list(STEPS)
@@ -57,18 +64,7 @@ def test_gpu_check_runs_only_the_steps_asked(tmp_path):
     """--steps splits the check over two device calls (the demo's model travels in two parts): the steps named run,
     in the check's order, and the summary lists those alone."""
     out = tmp_path / "check"
-    env = {k: v for k, v in os.environ.items() if k not in ("DRAFTSMITH_TEST_DEVICE", "OUT", "PYTHONPATH")}
-    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", GPU_CHECK_MODEL_PARTS=str(tmp_path / "no-model"))
-    proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "gpu_check.sh"), "--tiny", "--steps", "install,env", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    summary = (out / "summary.tsv").read_text() if (out / "summary.tsv").is_file() else ""
+    proc, summary = run_tiny_check(out, "--steps", "install,env", GPU_CHECK_MODEL_PARTS=str(tmp_path / "no-model"))
     assert proc.returncode == 0, (summary, proc.stdout[-4000:], proc.stderr[-2000:])
     rows = [line.split("\t") for line in summary.splitlines()]
     assert [(r[0], r[1]) for r in rows] == [("env", "PASS"), ("install", "PASS")]
