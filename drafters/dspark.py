@@ -62,6 +62,11 @@ class DSparkConfig(DrafterConfigMixin):
     hidden_act: str = "silu"
     confidence_temperatures: list[float] | None = None
     """Per-slot temperatures of the confidence logits fitted on held-out data (None: uncalibrated)."""
+    confidence_biases: list[float] | None = None
+    """Per-slot biases added to the confidence logits after their temperature (None: 0)."""
+    sampled_confidence_calibration: dict[str, dict[str, list[float]]] | None = None
+    """Per sampling temperature served at (its decimal text, e.g. "1.0"), the per-slot `temperatures` and `biases`
+    fitted on the acceptance at that temperature (None: only the fields above, fitted at the training temperature)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Target config fields kept for export (e.g. rope scaling)."""
 

@@ -53,6 +53,11 @@ class Eagle3Config(DrafterConfigMixin):
     """Width of the confidence head's hidden layer."""
     confidence_temperatures: list[float] | None = None
     """Per-step temperatures of the confidence logits fitted on held-out data (None: uncalibrated)."""
+    confidence_biases: list[float] | None = None
+    """Per-step biases added to the confidence logits after their temperature (None: 0)."""
+    sampled_confidence_calibration: dict[str, dict[str, list[float]]] | None = None
+    """Per sampling temperature served at (its decimal text, e.g. "1.0"), the per-step `temperatures` and `biases`
+    fitted on the acceptance at that temperature (None: only the fields above, fitted at the training temperature)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Target config fields kept for export (e.g. rope scaling, bos/eos ids)."""
 

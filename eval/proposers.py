@@ -159,7 +159,8 @@ class TrainedProposer(NoDraft):
         qd = probs_from_logits(logits, params)
         q = torch.zeros(logits.shape[0], self.vocab, dtype=qd.dtype, device=self.device)
         q[:, self.ids] = qd
-        tokens = [sample(q[b], generators[b]) if rows[b] else 0 for b in range(logits.shape[0])]
+        # drawn over the draft vocabulary (8k where the target's is 49k: a shorter cumulative sum), then mapped
+        tokens = [int(self.ids[sample(qd[b], generators[b])]) if rows[b] else 0 for b in range(logits.shape[0])]
         return torch.tensor(tokens), q
 
     def _admit(self, i: int, conf: torch.Tensor, survival: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
@@ -309,7 +310,7 @@ class Eagle3Proposer(TrainedProposer):
                     key_mask=self.key_mask,
                 )
                 logits, conf = out[:, 0], cf[:, 0]
-            return logits, self.drafter.calibrated(conf, i)
+            return logits, self.drafter.calibrated(conf, i, params.temperature)
 
         return self._chain(k, active, params, generators, step)
 
@@ -437,7 +438,7 @@ class DSparkProposer(TrainedProposer):
         def step(i, x):
             prev = self.anchor if i == 0 else x
             logits, conf = self.drafter.heads(h[:, i], prev.to(self.device), base[:, i])
-            return logits, self.drafter.calibrated(conf, i)
+            return logits, self.drafter.calibrated(conf, i, params.temperature)
 
         return self._chain(k, active, params, generators, step)
 

@@ -239,10 +239,15 @@ class CalibratedSettings(FamilySettings):
     """A family whose confidences are calibrated after training (`families.base.calibrate_confidences`)."""
 
     calibrate: bool = True
-    """Fit sequential temperature scaling of the confidences on the holdout split after training (what eval's
+    """Fit a temperature and a bias per position of the confidences on the holdout split after training (what eval's
     cost schedule predicts acceptance from)."""
     calibration_bins: int = Field(10, ge=2)
-    """Equal-width bins of the expected calibration error the temperatures minimize."""
+    """Equal-width bins of the expected calibration error reported before and after the fit."""
+    calibrate_at: list[Annotated[float, Field(ge=0.0)]] = [0.0, 1.0]
+    """Sampling temperatures the confidences are also calibrated for (besides `train.temperature`), each on the
+    acceptance at that temperature (Σ min(p, q) of the target's and the drafter's distributions; at 0, whether their
+    argmaxes agree): a confidence does not know the temperature it is served at, and eval reads the scaling fitted
+    nearest its own."""
 
 
 class TrainConfig(Section):

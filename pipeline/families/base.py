@@ -15,6 +15,7 @@ The stages call, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from draftsmith.data.artifacts import atomic_write_text
-from draftsmith.drafters.calibration import fit_sequential_temperatures, survival_ece
+from draftsmith.drafters.calibration import fit_sequential_scaling, survival_ece
 from draftsmith.drafters.objectives import TrainBatch
 from draftsmith.pipeline.config import FamilySettings
 from draftsmith.pipeline.console import console
@@ -136,11 +137,13 @@ class Family:
 @torch.no_grad()
 def calibrate_confidences(trainer: TrainContext, directory: Path, data_fn: Callable, unit: str) -> None:
     """Fit the confidence temperatures of the drafter in `directory` on the whole holdout split and write them
-    into its config. Every rank computes the confidences of its share of the holdout batches (a long
-    calibration on one rank would leave the others waiting in a collective until the NCCL timeout); the main
+    into its config: once on the acceptance at the training temperature (`confidence_temperatures` and
+    `confidence_biases`), and once per sampling temperature of the section's `calibrate_at`
+    (`sampled_confidence_calibration`, eval reads the one nearest the temperature it decodes at). Every rank computes the confidences of its share of the holdout batches
+    (a long calibration on one rank would leave the others waiting in a collective until the NCCL timeout); the main
     process gathers them, fits and writes. `data_fn(model, batch, head, objective settings)` gives (confidence
-    logits, acceptance probabilities, validity), each [N, positions], the family's own (its objectives module);
-    the section (a `config.CalibratedSettings`) says whether and with how many bins."""
+    logits, acceptance probabilities, validity), each [N, positions], the family's own (its objectives module), at
+    the settings' temperature; the section (a `config.CalibratedSettings`) says whether and with how many bins."""
     from accelerate.utils import gather_object
 
     from draftsmith.pipeline.families import load_drafter  # the registry imports this module
@@ -150,39 +153,64 @@ def calibrate_confidences(trainer: TrainContext, directory: Path, data_fn: Calla
     acc = trainer.accelerator
     model = load_drafter(directory).to(trainer.device).eval()  # complete on disk under every ZeRO stage
     head = trainer.head_weight.float()
-    parts = [tuple(t.cpu() for t in data_fn(model, batch, head, trainer.settings)) for batch in trainer.holdout_share()]
+    trained = float(trainer.settings.temperature)
+    temperatures = sorted({trained, *(float(t) for t in trainer.section.calibrate_at)})
+    parts: list[tuple[float, tuple[torch.Tensor, ...]]] = []
+    for batch in trainer.holdout_share():  # read once, every temperature's acceptance computed from it
+        for t in temperatures:
+            # the teacher cache's statistics are the training temperature's (its logsumexp): another recomputes them
+            at = batch if t == trained else {k: v for k, v in batch.items() if not k.startswith("teacher_")}
+            settings = dataclasses.replace(trainer.settings, temperature=t)
+            parts.append((t, tuple(x.cpu() for x in data_fn(model, at, head, settings))))
     if acc.num_processes > 1:
         parts = gather_object(parts)
     if not acc.is_main_process:
         return
-    if not parts or sum(p[0].shape[0] for p in parts) == 0:
+    if sum(p[0].shape[0] for t, p in parts if t == trained) == 0:
         log.warning("train: no %s to calibrate %s on; confidences left uncalibrated", unit, directory)
         return
-    conf, alpha, valid = (torch.cat([p[i] for p in parts]) for i in range(3))
     bins = trainer.section.calibration_bins
-    before = survival_ece(conf, alpha, valid, [1.0] * conf.shape[1], bins)
-    temps = fit_sequential_temperatures(conf, alpha, valid, bins)
-    after = survival_ece(conf, alpha, valid, temps, bins)
+    fitted: dict[float, dict[str, Any]] = {}
+    for t in temperatures:
+        conf, alpha, valid = (torch.cat([p[i] for u, p in parts if u == t]) for i in range(3))
+        temps, biases = fit_sequential_scaling(conf, alpha, valid)
+        first = valid[:, 0]
+        fitted[t] = {
+            "samples": int(conf.shape[0]),
+            "temperatures": temps,
+            "biases": biases,
+            "survival_ece_before": survival_ece(conf, alpha, valid, [1.0] * conf.shape[1], bins),
+            "survival_ece_after": survival_ece(conf, alpha, valid, temps, bins, biases),
+            # what the first slot's calibrated confidence predicts on average, and what was accepted
+            "first_slot_predicted": float(torch.sigmoid(conf[first, 0].double() / temps[0] + biases[0]).mean()),
+            "first_slot_accepted": float(alpha[first, 0].double().mean()),
+        }
     cfg_path = directory / "config.json"
     raw = json.loads(cfg_path.read_text())
-    raw["confidence_temperatures"] = temps
+    raw["confidence_temperatures"] = fitted[trained]["temperatures"]
+    raw["confidence_biases"] = fitted[trained]["biases"]
+    raw["sampled_confidence_calibration"] = {
+        str(t): {"temperatures": fitted[t]["temperatures"], "biases": fitted[t]["biases"]} for t in temperatures
+    }
     atomic_write_text(cfg_path, json.dumps(raw, indent=2))
     report = {
-        "samples": int(conf.shape[0]),
-        "temperatures": temps,
-        "survival_ece_before": before,
-        "survival_ece_after": after,
+        **fitted[trained],
         "bins": bins,
         "temperature": trainer.temperature,
         "ranks": acc.num_processes,
+        "by_sampling_temperature": {str(t): fitted[t] for t in temperatures},
     }
     atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2))
-    console.print(
-        f"calibrated {directory.name}/: survival ECE by position {[f'{e:.3f}' for e in before]} -> "
-        f"{[f'{e:.3f}' for e in after]} ({conf.shape[0]} {unit})",
-        highlight=False,
-        markup=False,
-    )
+    for t in temperatures:
+        f = fitted[t]
+        console.print(
+            f"calibrated {directory.name}/ at T = {t:g}: survival ECE by position "
+            f"{[f'{e:.3f}' for e in f['survival_ece_before']]} -> {[f'{e:.3f}' for e in f['survival_ece_after']]}; "
+            f"first slot predicted {f['first_slot_predicted']:.1%}, accepted {f['first_slot_accepted']:.1%} "
+            f"({f['samples']} {unit})",
+            highlight=False,
+            markup=False,
+        )
 
 
 def engine_refusal(aux_layer_ids: list[int], target_config) -> str | None:

@@ -5,9 +5,10 @@ Export layout: `dspark/`, a DSpark drafter in the speculators DSpark layout (the
 `markov_head.markov_w1/w2` and `confidence_head.proj`), which vLLM 0.33 translates to `method: dspark`
 (`Qwen3DSparkForCausalLM`). Our parameter names are already that layout; the embedding is left out (loaded from the
 target); a full draft vocabulary ships no `d2t`/`t2d` (vLLM refuses them then). SGLang 0.5.23 has a DSpark drafter
-too, but it reads its own flat config, not this layout. The fitted confidence temperatures have no field in the
-layout: they travel as the extra config key `draftsmith_confidence_temperatures` (speculators' configs keep unknown
-keys; engines ignore it), so `draftsmith import` restores the calibrated drafter; vLLM's adaptive verification reads
+too, but it reads its own flat config, not this layout. The fitted confidence scaling has no field in the
+layout: it travels as the extra config keys `draftsmith_confidence_temperatures`, `draftsmith_confidence_biases` and,
+per sampling temperature, `draftsmith_sampled_confidence_calibration` (speculators' configs keep unknown keys; engines
+ignore them), so `draftsmith import` restores the calibrated drafter; vLLM's adaptive verification reads
 the head uncalibrated (one projection for every position: per-position temperatures cannot be folded into it). Aux
 id L and unsorted ids are refused as for EAGLE-3 (`base.engine_refusal`).
 """
@@ -169,6 +170,10 @@ def files(
     }
     if cfg.confidence_temperatures:
         config["draftsmith_confidence_temperatures"] = list(cfg.confidence_temperatures)
+    if cfg.confidence_biases:
+        config["draftsmith_confidence_biases"] = list(cfg.confidence_biases)
+    if cfg.sampled_confidence_calibration:
+        config["draftsmith_sampled_confidence_calibration"] = dict(cfg.sampled_confidence_calibration)
     return tensors, config
 
 
@@ -194,8 +199,8 @@ def export(model: DSparkDrafter, ctx: ExportContext) -> list[ExportedDirectory]:
         "SGLang's DSpark drafter reads another config layout: this directory is for vLLM.",
         "",
         'vLLM reads the confidence head only with `"enable_adaptive_verification": true` in the speculative '
-        "config, and as a plain sigmoid: the per-position temperatures draftsmith fitted "
-        "(`draftsmith_confidence_temperatures` in config.json) are not applied there (vLLM 0.33).",
+        "config, and as a plain sigmoid: the per-position scaling draftsmith fitted "
+        "(`draftsmith_confidence_temperatures` and `_biases` in config.json) is not applied there (vLLM 0.33).",
         "",
     ]
     return [ExportedDirectory("dspark", tensors, config, readme)]
@@ -237,6 +242,8 @@ def import_export(directory: Path, raw: dict[str, Any], embed_weight: torch.Tens
         max_position_embeddings=lc["max_position_embeddings"],
         hidden_act=lc.get("hidden_act", "silu"),
         confidence_temperatures=raw.get("draftsmith_confidence_temperatures"),
+        confidence_biases=raw.get("draftsmith_confidence_biases"),
+        sampled_confidence_calibration=raw.get("draftsmith_sampled_confidence_calibration"),
         extra={"rope_scaling": lc["rope_scaling"]} if lc.get("rope_scaling") else {},
     )
     extra = implied_vocab(directory, cfg.vocab_size, cfg.draft_vocab_size)

@@ -7,7 +7,7 @@ import torch
 
 from draftsmith.drafters import dspark as dsp
 from draftsmith.drafters import ttt_attention
-from draftsmith.drafters.calibration import fit_sequential_temperatures, survival_ece
+from draftsmith.drafters.calibration import fit_sequential_scaling, survival_ece
 from draftsmith.drafters.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.drafters.losses import teacher_from_final
 from draftsmith.drafters.objectives import DSparkObjectiveSettings, dspark_objective, sample_anchors
@@ -222,25 +222,43 @@ def test_objective_trains_and_reports_per_slot_statistics(test_device):
     assert 1.0 <= stats["tau"] / stats["tau_n"] <= 5.0
 
 
-def test_sequential_temperature_scaling_lowers_heldout_ece(test_device):
-    """Confidences that are systematically over-confident (logits 3x too large) get temperatures > 1 and a lower
-    survival ECE on fresh data from the same process (drawn on the CPU, fitted where the data is)."""
+def _miscalibrated(n, seed, scale, shift, device):
+    """Confidence logits `scale` times the true acceptance logit plus `shift`, with 0/1 acceptances drawn from the
+    true chance (on the CPU, then moved where the test runs)."""
+    g = torch.Generator().manual_seed(seed)
+    true_logit = torch.randn(n, 5, generator=g, dtype=torch.float64) + 1.0
+    alpha = torch.bernoulli(torch.sigmoid(true_logit), generator=g)
+    valid = torch.ones(n, 5, dtype=torch.bool)
+    return (scale * true_logit + shift).to(device), alpha.to(device), valid.to(device)
 
-    def make(n, seed):
-        g = torch.Generator().manual_seed(seed)
-        true_logit = torch.randn(n, 5, generator=g, dtype=torch.float64) + 1.0
-        alpha = torch.bernoulli(torch.sigmoid(true_logit), generator=g)
-        valid = torch.ones(n, 5, dtype=torch.bool)
-        return (3.0 * true_logit).to(test_device), alpha.to(test_device), valid.to(test_device)
 
-    conf, alpha, valid = make(4000, 0)
-    temps = fit_sequential_temperatures(conf, alpha, valid)
-    assert all(t > 1.5 for t in temps[:2]), temps
-    c2, a2, v2 = make(4000, 1)
+def test_sequential_scaling_lowers_heldout_ece(test_device):
+    """Confidences that are systematically over-confident (logits 3x too large) get temperatures > 1, biases near 0,
+    and a lower survival ECE on fresh data from the same process (fitted where the data is)."""
+    conf, alpha, valid = _miscalibrated(4000, 0, 3.0, 0.0, test_device)
+    temps, biases = fit_sequential_scaling(conf, alpha, valid)
+    assert all(2.0 < t < 4.5 for t in temps[:2]), temps
+    assert all(abs(b) < 0.3 for b in biases[:2]), biases
+    c2, a2, v2 = _miscalibrated(4000, 1, 3.0, 0.0, test_device)
     before = survival_ece(c2, a2, v2, [1.0] * 5)
-    after = survival_ece(c2, a2, v2, temps)
-    assert all(x < 0.5 * y for x, y in zip(after, before)), (before, after)
-    assert max(after) < 0.03
+    after = survival_ece(c2, a2, v2, temps, biases=biases)
+    assert all(x < 0.25 * y for x, y in zip(after, before)), (before, after)
+    assert max(after) < 0.04
+
+
+def test_sequential_scaling_calibrates_a_head_biased_toward_acceptance(test_device):
+    """A head whose logits are shifted up (it learned on answers its drafter fits better than the holdout, as the
+    demo's EAGLE-3 head did) predicts above what is accepted at every temperature: a temperature alone can only pull
+    the predictions toward 1/2, and leaves the survival ECE high. The bias takes the shift out."""
+    conf, alpha, valid = _miscalibrated(4000, 0, 1.0, 3.0, test_device)
+    temps, biases = fit_sequential_scaling(conf, alpha, valid)
+    assert -3.6 < biases[0] < -2.4, biases
+    c2, a2, v2 = _miscalibrated(4000, 1, 1.0, 3.0, test_device)
+    after = survival_ece(c2, a2, v2, temps, biases=biases)
+    assert max(after) < 0.04, after
+    # the best a temperature alone can do here (a grid over 0.03-30) stays far worse at the first position
+    alone = min(survival_ece(c2, a2, v2, [t] + temps[1:], biases=[0.0] + biases[1:])[0] for t in (0.1, 1, 3, 10, 30))
+    assert alone > 3 * after[0], (alone, after[0])
 
 
 def test_sampled_markov_inputs_supervise_a_slot_only_while_its_conditioning_matches_the_data(test_device):

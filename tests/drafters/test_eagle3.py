@@ -306,6 +306,19 @@ def test_calibration_data_is_what_the_objective_scores_per_chain(test_device):
     assert [float(model.calibrated(logit, i)) for i in range(3)] == [
         float(torch.sigmoid(logit.float() / t)) for t in (0.5, 2.0, 2.0)
     ]
+    # a bias per step after the temperature; and per sampling temperature, the scaling fitted nearest it
+    model.config.confidence_biases = [-1.0, 0.5]
+    assert [float(model.calibrated(logit, i)) for i in range(3)] == [
+        float(torch.sigmoid(logit.float() / t + b)) for t, b in ((0.5, -1.0), (2.0, 0.5), (2.0, 0.5))
+    ]
+    model.config.sampled_confidence_calibration = {
+        "0.0": {"temperatures": [0.5, 2.0], "biases": [-1.0, 0.5]},
+        "1.0": {"temperatures": [4.0], "biases": [-2.0]},
+    }
+    at = lambda sampling: [float(model.calibrated(logit, i, sampling)) for i in range(2)]  # noqa: E731
+    greedy = [float(torch.sigmoid(logit.float() / t + b)) for t, b in ((0.5, -1.0), (2.0, 0.5))]
+    sampled = [float(torch.sigmoid(logit.float() / 4.0 - 2.0))] * 2
+    assert at(0.0) == at(0.3) == at(None) == greedy and at(1.0) == at(0.7) == at(1.5) == sampled
 
 
 def test_rope_frequencies_move_to_the_device_once_and_stay_fp32(test_device, monkeypatch):

@@ -410,12 +410,17 @@ def test_dspark_round_trip_is_bit_exact_with_its_calibration(target5, tmp_path, 
     (bit for bit at the export dtype) and the fitted confidence temperatures, carried as an extra config key."""
     model, path = _dspark(target5, tmp_path)
     model.config.confidence_temperatures = [0.5, 1.5, 2.0, 3.0]
+    model.config.confidence_biases = [-1.0, 0.0, 0.5, 0.25]
+    per_sampling = {"1.0": {"temperatures": [1.5, 1.0, 1.0, 2.0], "biases": [-2.0, 0.0, 0.0, 0.0]}}
+    model.config.sampled_confidence_calibration = per_sampling
     model.save_pretrained(path)
     out = _export(target5, tmp_path, path, f"export.dtype={dtype}", "train.drafters=[dspark]")
     with pytest.raises(StageError, match="pass the target"):
         import_drafter(out / "dspark")
     again = import_drafter(out / "dspark", embed_weight=model.embed_tokens.weight.detach())
     assert type(again).__name__ == "DSparkDrafter" and again.config.confidence_temperatures == [0.5, 1.5, 2.0, 3.0]
+    assert again.config.confidence_biases == [-1.0, 0.0, 0.5, 0.25]
+    assert again.config.sampled_confidence_calibration == per_sampling
     ref = model.to(getattr(torch, dtype)).eval()
     again.eval()
     g = torch.Generator().manual_seed(0)

@@ -73,6 +73,18 @@ def test_run_end_to_end_and_resume(tmp_path, tiny_recipe):
     # EAGLE-3's confidences too, one temperature per TTT step (what eval's cost schedule predicts from)
     calibration = json.loads((run / "train" / "eagle3" / "final" / "calibration.json").read_text())
     assert len(calibration["temperatures"]) == 3
+    # fitted again at every sampling temperature of `calibrate_at` (0 and 1), on that temperature's acceptance
+    for family, steps in (("eagle3", 3), ("dspark", 4)):
+        drafter = json.loads((run / "train" / family / "final" / "config.json").read_text())
+        fitted = drafter["sampled_confidence_calibration"]
+        assert sorted(fitted) == ["0.0", "1.0"], family
+        assert all(len(f["temperatures"]) == len(f["biases"]) == steps for f in fitted.values()), family
+        report = json.loads((run / "train" / family / "final" / "calibration.json").read_text())
+        trained = fitted[str(float(report["temperature"]))]  # the training temperature's is also the top-level one
+        assert trained["temperatures"] == drafter["confidence_temperatures"], family
+        assert trained["biases"] == drafter["confidence_biases"], family
+        at = report["by_sampling_temperature"]
+        assert at["0.0"]["first_slot_accepted"] != at["1.0"]["first_slot_accepted"], family  # another target
     for fmt in ("eagle3", "speculators", "dspark"):
         assert (run / "export" / fmt / "config.json").is_file(), fmt
     ev = json.loads((run / "eval" / "eval.json").read_text())
