@@ -111,6 +111,26 @@ def test_the_schedule_corrects_overconfident_drafts_from_verified_rounds():
     assert right.admit(0, c, torch.ones(1, dtype=torch.float64), on).all()
 
 
+def test_a_stretch_of_failed_drafts_fades_and_drafting_resumes():
+    """After 40 first slots predicted 0.5 with one in ten accepted (ratio 8 / 24), a row whose confidence is 0.7 does
+    not draft (0.7 / 3 = 0.23; a round drafts when (1 + s) / (0.1 + 1.3) >= 1 / 1.0, s >= 0.4). Rounds that verify
+    nothing make that evidence fade (each round times 1 - 1/memory_rounds) until 0.7 (4 + 4f) / (4 + 20f) >= 0.4, at
+    f <= 0.2308: about 1.47 * memory_rounds rounds later the row drafts every round again. Without fading it would
+    only ever be probed."""
+    on, c = torch.tensor([True]), torch.tensor([0.7], dtype=torch.float64)
+    s = CostSchedule(TABLE)
+    for r in range(40):
+        s.observe([[0.5]], [1 if r % 10 == 0 else 0])
+    assert not s.worth_drafting(c, on)
+    decisions = [s.worth_drafting(c, on) for _ in range(1500)]
+    resumed = next(i for i in range(len(decisions)) if all(decisions[i:]))
+    f = (4 - 0.4 / 0.7 * 4) / (0.4 / 0.7 * 20 - 4)  # the fraction of the evidence left when drafting pays again
+    expected = math.log(f) / math.log(1 - 1 / s.memory_rounds) - 1  # (the first call above faded once)
+    assert abs(resumed - expected) < 2, (resumed, expected)
+    # before: probes only (after 5, 10, 20, 40 skipped rounds, then every 64); after: its own confidence pays
+    assert sum(decisions[:resumed]) <= 16 and s.backoff == 1
+
+
 def _round(s: CostSchedule, conf: float, plain: float, wide: float, draft: float) -> int:
     """One round of one row through the schedule (the decision, the admission, the engine's timings: a pass `plain`
     seconds one slot wide, `wide` two wide, `draft` seconds drafting): the slots it verified."""
