@@ -26,7 +26,7 @@ ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDe
 ap.add_argument("config", help="the finished run's config.yaml")
 ap.add_argument("--out", required=True, help="the new run directory (must not exist)")
 ap.add_argument("overrides", nargs="*", help="config overrides for the new run, e.g. train.eagle3.calibrate_at=[0,1]")
-args = ap.parse_args()
+args = ap.parse_intermixed_args()  # overrides may follow --out
 
 old_cfg = load_config(args.config)
 old = RunLayout.of(old_cfg)

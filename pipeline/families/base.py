@@ -136,12 +136,12 @@ class Family:
 
 @torch.no_grad()
 def calibrate_confidences(trainer: TrainContext, directory: Path, data_fn: Callable, unit: str) -> None:
-    """Fit the confidence temperatures of the drafter in `directory` on the whole holdout split and write them
-    into its config: once on the acceptance at the training temperature (`confidence_temperatures` and
-    `confidence_biases`), and once per sampling temperature of the section's `calibrate_at`
-    (`sampled_confidence_calibration`, eval reads the one nearest the temperature it decodes at). Every rank computes the confidences of its share of the holdout batches
-    (a long calibration on one rank would leave the others waiting in a collective until the NCCL timeout); the main
-    process gathers them, fits and writes. `data_fn(model, batch, head, objective settings)` gives (confidence
+    """Fit the confidence scaling (a temperature and a bias per position, `drafters.calibration`) of the drafter in
+    `directory` on the whole holdout split and write it into its config: once on the acceptance at the training
+    temperature (`confidence_temperatures` and `confidence_biases`), and once per sampling temperature of the
+    section's `calibrate_at` (`sampled_confidence_calibration`: eval reads the one nearest the temperature it decodes
+    at). Every rank computes the confidences of its share of the holdout batches (a long calibration on one rank would
+    leave the others waiting in a collective until the NCCL timeout); the main process gathers them, fits and writes. `data_fn(model, batch, head, objective settings)` gives (confidence
     logits, acceptance probabilities, validity), each [N, positions], the family's own (its objectives module), at
     the settings' temperature; the section (a `config.CalibratedSettings`) says whether and with how many bins."""
     from accelerate.utils import gather_object

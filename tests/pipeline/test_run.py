@@ -2,6 +2,7 @@
 answered on-policy), checking every artifact and that the trained drafter is accepted (τ > 1) when the
 target answers the prompts it was trained on; a second run skips what is complete."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -118,6 +119,25 @@ def test_run_end_to_end_and_resume(tmp_path, tiny_recipe):
     assert batched["greedy_divergence"]["dspark"]["of"] == 24
     for family in ("eagle3", "dspark"):
         assert batched["overall"][family]["tau"] > 1.0, (family, batched["overall"][family])
+    # launch/recalibrate.py fits the finished drafters again into a new run, at other sampling temperatures, without
+    # touching this one; the new run's manifests list its files and say where it came from
+    again = tmp_path / "recalibrated"
+    script = Path(__file__).parents[2] / "launch" / "recalibrate.py"
+    args = [str(run / "config.yaml"), "--out", str(again), "train.eagle3.calibrate_at=[0.5]"]
+    subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True, timeout=600)
+    before = json.loads((run / "train" / "eagle3" / "final" / "config.json").read_text())
+    after = json.loads((again / "train" / "eagle3" / "final" / "config.json").read_text())
+    trained = str(
+        float(json.loads((run / "train" / "eagle3" / "final" / "calibration.json").read_text())["temperature"])
+    )
+    assert sorted(before["sampled_confidence_calibration"]) == ["0.0", "1.0"]
+    assert sorted(after["sampled_confidence_calibration"]) == sorted({trained, "0.5"})
+    assert (again / "features").resolve() == (run / "features").resolve()  # linked, not copied
+    manifest = json.loads((again / "train" / "eagle3" / "manifest.json").read_text())
+    assert manifest["recalibrated"]["from"] == str(run / "train" / "eagle3")
+    listed = {f["file"]: f["sha256"] for f in manifest["files"]}
+    written = (again / "train" / "eagle3" / "final" / "config.json").read_bytes()
+    assert listed["final/config.json"] == hashlib.sha256(written).hexdigest()
 
 
 def test_cli_closes_the_process_group_it_ran_in(tmp_path):
