@@ -13,14 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import time
 from pathlib import Path
 
-from draftsmith.data.artifacts import MANIFEST, atomic_write_text, read_manifest
+from draftsmith.data.artifacts import MANIFEST, read_manifest, write_manifest
 from draftsmith.pipeline.completion import payload_files
 from draftsmith.pipeline.config import load_config, save_config
 from draftsmith.pipeline.layout import RunLayout
 from draftsmith.pipeline.train import Trainer
+
+MANIFEST_HEADER = ("kind", "schema_version", "status", "created", "versions", "inputs")
+"""What `write_manifest` writes itself."""
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("config", help="the finished run's config.yaml")
@@ -57,17 +59,18 @@ for family in families:
         for d in (trainer.dirs.best, trainer.dirs.final):
             if (d / "config.json").is_file():
                 trainer.family.after_training(trainer, d)
-    manifest = read_manifest(src.root, "drafter")
     calibration = next(
         (d / "calibration.json" for d in (dst.best, dst.final) if (d / "calibration.json").is_file()), None
     )
-    manifest.update(
-        inputs=json.loads(json.dumps(trainer.inputs)),
+    # the training run's own fields (steps, history, ...) kept; what the recalibration changed, and the manifest's
+    # header (kind, status, created, versions), written as every stage writes a manifest
+    kept = {k: v for k, v in read_manifest(src.root, "drafter").items() if k not in MANIFEST_HEADER}
+    kept.update(
         config={"train": cfg.train.model_dump(mode="json")},
         calibration=json.loads(calibration.read_text()) if calibration else None,
         files=payload_files(dst.root, [dst.best.name, dst.final.name]),
-        recalibrated={"from": str(src.root), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        recalibrated={"from": str(src.root)},
     )
-    atomic_write_text(dst.root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    write_manifest(dst.root, "drafter", inputs=trainer.inputs, **kept)
     del trainer
 print(f"recalibrate: {', '.join(families)} of {old.root} recalibrated into {new_dir}")
