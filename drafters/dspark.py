@@ -34,6 +34,7 @@ from draftsmith.drafters import ttt_attention
 from draftsmith.drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
 from draftsmith.drafters.eagle3 import KVCache, repeat_kv
 from draftsmith.drafters.ttt_attention import selected_impl
+from draftsmith.eval.sampling import inverse_cdf
 
 
 @dataclass
@@ -496,7 +497,7 @@ class DSparkDrafter(DrafterBase):
         attention_mask: torch.Tensor,
         anchors: torch.Tensor,
         sample_temperature: float | None = None,
-        generator: torch.Generator | None = None,
+        uniforms: torch.Tensor | None = None,
     ):
         """Packed training forward (what DDP / DeepSpeed wrap): every anchor's block in one pass.
 
@@ -506,7 +507,9 @@ class DSparkDrafter(DrafterBase):
 
         The bias is teacher-forced (slot k conditions on the data token x_{p+k}) unless `sample_temperature`
         is given: then slot k >= 1 conditions on a token sampled from slot k-1's own biased distribution (greedy at
-        0), the training-time test of the sequential head.
+        0), the training-time test of the sequential head. At a temperature above 0, slot k's token is drawn at the
+        uniform `uniforms[b, a, k]` (in [0, 1), [B, A, γ], any device): the caller owns the randomness, so a draw
+        depends on the sequence and not on the batch, the rank or the global generator's state.
         """
         B, T = input_ids.shape
         A, G = anchors.shape[1], self.config.block_size
@@ -525,6 +528,9 @@ class DSparkDrafter(DrafterBase):
             logits, conf = self.heads(h, prev, base)
             return logits, conf, prev
         # training-time test of the sequential bias: left to right, each slot conditioned on the previous sample
+        if sample_temperature > 0 and (uniforms is None or uniforms.shape != (B, A, G)):
+            got = None if uniforms is None else tuple(uniforms.shape)
+            raise ValueError(f"sampling at T = {sample_temperature} needs uniforms of shape {(B, A, G)}, got {got}")
         draft_ids = torch.arange(self.config.draft_vocab_size, device=device) + self.d2t
         prev_k = block_tokens.view(B, A, G)[..., 0]
         outs, confs, prevs = [], [], []
@@ -537,8 +543,8 @@ class DSparkDrafter(DrafterBase):
                 if sample_temperature == 0:
                     choice = logits_k.argmax(-1)
                 else:
-                    probs = torch.softmax(logits_k.float() / sample_temperature, dim=-1).view(-1, logits_k.shape[-1])
-                    choice = torch.multinomial(probs, 1, generator=generator).view(B, A)
+                    probs = torch.softmax(logits_k.float() / sample_temperature, dim=-1)
+                    choice = inverse_cdf(probs, cast(torch.Tensor, uniforms)[:, :, k].to(device))
                 prev_k = draft_ids[choice]
         return torch.stack(outs, 2), torch.stack(confs, 2), torch.stack(prevs, 2)
 

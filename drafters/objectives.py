@@ -189,7 +189,7 @@ class DSparkObjectiveSettings:
     """Condition the sequential bias on the drafter's own samples (training-time test); a slot is supervised only
     while the samples before it equal the data tokens (the only prefixes whose teacher is known)."""
     seed: int = 0
-    """Salt of the per-(epoch, sequence) anchor draw."""
+    """Salt of the per-(epoch, sequence) draws: the anchors, and the sampled Markov inputs."""
 
     @property
     def steps(self) -> int:
@@ -226,7 +226,17 @@ def _anchor_generator(seed: int, epoch: int, sequence_id: str) -> torch.Generato
     return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{epoch}:{sequence_id}".encode()))
 
 
-def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner, generator=None):
+def _markov_uniforms(seed: int, epoch: int, ids: list[str], anchors: int, block_size: int) -> torch.Tensor:
+    """[B, anchors, block_size] float64 uniforms of the sampled training-time test: each sequence's from a CPU
+    generator seeded from (seed, epoch, sequence id), like its anchors, so a resumed run, any rank count and any
+    device draw the same tokens for it (and the holdout and the calibration draw the same at every call)."""
+    import zlib
+
+    gens = [torch.Generator().manual_seed(zlib.crc32(f"{seed}:{epoch}:{sid}:markov".encode())) for sid in ids]
+    return torch.stack([torch.rand(anchors, block_size, dtype=torch.float64, generator=g) for g in gens])
+
+
+def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner):
     """Shared by the loss and the calibration data: anchors, teacher at every slot, the forward, slot validity."""
     device = head_weight.device
     input_ids = batch["input_ids"].to(device)
@@ -249,7 +259,11 @@ def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner
     known = known_stats(batch, positions=at)
     teacher = teacher_from_final(gathered, head_weight, draft_ids, s.temperature, known=known)  # [B, A*G, ...]
     sample_t = s.temperature if s.sample_markov_inputs else None
-    logits, conf, prev = model(batch["aux"].to(device), input_ids, attention, anchors, sample_t, generator)
+    uniforms = None
+    if sample_t:  # greedy (0) draws nothing
+        uniforms = _markov_uniforms(s.seed, int(batch["epoch"]), list(batch["ids"]), anchors.shape[1], G)
+        uniforms = uniforms.to(device, non_blocking=True)
+    logits, conf, prev = model(batch["aux"].to(device), input_ids, attention, anchors, sample_t, uniforms)
     if sample_t is not None:
         # Slot k conditioned on the drafter's own samples is supervised only while they equal the data tokens: the
         # teacher at p+k is the target's distribution after the *data* prefix, and after any other prefix the

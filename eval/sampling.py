@@ -57,9 +57,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     interval of the cumulative sum is empty (adding 0 leaves the sum as it was), and the search takes the first
     token whose sum exceeds u * total. u < 1, so u * total < total in float64 (a product by a number below 1 rounds
     below the total): the search never runs past the last token."""
-    cdf = probs.double().cumsum(-1)
     u = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device)
-    return int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    return int(inverse_cdf(probs, u))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The tokens [...] drawn from `probs` [..., V] (any non-negative weights, a distribution per leading index) at
+    the uniform draws `u` [...] in [0, 1): the first token whose cumulative sum exceeds u times the total. `sample`
+    draws one token with it, and DSpark's sampled training-time test a token per slot of a whole batch."""
+    cdf = probs.double().cumsum(-1)
+    at = (u.to(cdf) * cdf[..., -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, at, right=True).squeeze(-1)
 
 
 def uniform(generator: torch.Generator | None) -> float:

@@ -498,3 +498,41 @@ def test_the_packed_path_is_chosen_where_ttt_attention_chooses(monkeypatch):
     monkeypatch.setenv(ttt_attention.ENV_VAR, "flex")
     dsp.packed_block_attention(*leaves, packed, 0.35)
     assert called == ["chunked_packed_attention", "packed_attention_reference", "flex_packed_attention"]
+
+
+def test_sampled_markov_inputs_are_drawn_per_sequence_not_from_the_global_generator(test_device):
+    """At T > 0 the sampled training-time test draws each slot's token at a uniform seeded by (seed, epoch, sequence):
+    the holdout, the calibration and a resumed run see the same draws whatever the global generator did before, and a
+    sequence draws the same tokens alone or in a batch (so on any rank count). Drawn from the global generator (the
+    defect), both comparisons fail."""
+    from draftsmith.drafters.objectives import _dspark_forward
+
+    model = _drafter(dtype=torch.float32, device=test_device)
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(1)).to(test_device)
+    s = DSparkObjectiveSettings(block_size=4, anchors_per_sequence=6, temperature=1.0, sample_markov_inputs=True)
+    both, alone = _batch(), _batch()
+    alone = {k: (v[1:] if torch.is_tensor(v) or isinstance(v, list) else v) for k, v in alone.items()}
+    outs = []
+    with torch.no_grad():
+        for seed, batch in ((1, both), (2, both), (3, alone)):
+            torch.manual_seed(seed)
+            if test_device.type == "cuda":
+                torch.cuda.manual_seed_all(seed)
+            outs.append(_dspark_forward(model, batch, head, s, model))
+    (l1, _, _, v1, _), (l2, _, _, v2, _), (l3, _, _, v3, _) = outs
+    torch.testing.assert_close(l1, l2, rtol=0, atol=0)
+    assert torch.equal(v1, v2)
+    torch.testing.assert_close(l1[1:], l3, rtol=1e-5, atol=1e-5)  # (a batch of one may take other kernels)
+    assert torch.equal(v1[1:], v3)
+    # the draws differ between epochs (a new draw each epoch, as the anchors), and with the data somewhere: power
+    with torch.no_grad():
+        l4, _, _, v4, _ = _dspark_forward(model, {**both, "epoch": 1}, head, s, model)
+    assert not torch.equal(v1, v4) or not torch.equal(l1, l4)
+
+
+def test_sampling_at_a_temperature_without_uniforms_is_refused(test_device):
+    model = _drafter(dtype=torch.float32, device=test_device)
+    b = {k: (v.to(test_device) if torch.is_tensor(v) else v) for k, v in _batch().items()}
+    anchors = torch.tensor([[6, 8], [7, 9]], device=test_device)
+    with pytest.raises(ValueError, match="needs uniforms of shape"):
+        model(b["aux"], b["input_ids"], b["attention_mask"], anchors, 1.0)

@@ -52,3 +52,16 @@ def test_sample_never_draws_a_zero_weight_token_at_the_ends(monkeypatch, u, expe
     thirds = torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0], dtype=torch.float64)
     assert sample(thirds, None) == (0 if u == 0.0 else 2)
     monkeypatch.setattr(sampling.torch, "rand", real)
+
+
+def test_inverse_cdf_draws_every_row_at_its_own_uniform(test_device):
+    """The batched form (DSpark's sampled training-time test) picks, row by row, what `sample` picks at that row's
+    uniform: the first token whose cumulative weight exceeds u times the row's total."""
+    probs = torch.tensor([WEIGHTS, WEIGHTS[::-1], [1.0] * len(WEIGHTS)], device=test_device).view(3, 1, -1)
+    u = torch.tensor([[0.05], [0.05], [0.999]], dtype=torch.float64, device=test_device)
+    got = sampling.inverse_cdf(probs, u)
+    assert got.shape == (3, 1) and got.view(-1).tolist() == [1, 1, 6]
+    # a weight-0 token is never drawn, at any of many uniforms
+    many = torch.rand(4000, dtype=torch.float64, generator=make_generator(test_device, 0), device=test_device)
+    drawn = sampling.inverse_cdf(probs[0, 0].expand(4000, -1), many)
+    assert not torch.isin(drawn, torch.tensor([0, 2, 6], device=test_device)).any()
