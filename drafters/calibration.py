@@ -22,11 +22,12 @@ import math
 import torch
 
 
-def expected_calibration_error(pred: torch.Tensor, observed: torch.Tensor, bins: int = 10) -> float:
-    """Σ_b (n_b / N) |mean pred_b − mean observed_b| over equal-width bins of pred in [0, 1]."""
+def expected_calibration_error(pred: torch.Tensor, observed: torch.Tensor, bins: int = 10) -> float | None:
+    """Σ_b (n_b / N) |mean pred_b − mean observed_b| over equal-width bins of pred in [0, 1]; None without samples
+    (not NaN: the reports that carry it are JSON, and NaN is not JSON)."""
     pred, observed = pred.flatten().double(), observed.flatten().double()
     if pred.numel() == 0:
-        return float("nan")
+        return None
     which = (pred * bins).long().clamp(0, bins - 1)
     total = torch.zeros((), dtype=torch.float64, device=pred.device)
     for b in range(bins):
@@ -43,9 +44,10 @@ def survival_ece(
     temps: list[float],
     bins: int = 10,
     biases: list[float] | None = None,
-) -> list[float]:
+) -> list[float | None]:
     """ECE of the predicted survival at every position, for the given temperatures (and biases: 0 when None).
-    Inputs [N, γ]; a block contributes to position k while its slots up to k are valid."""
+    Inputs [N, γ]; a block contributes to position k while its slots up to k are valid; None at a position no block
+    reaches (with sampled Markov inputs, a slot counts only while the samples before it equal the data)."""
     conf = torch.sigmoid(_scaled(conf_logits.double(), temps, biases))
     pred = conf.cumprod(-1)
     obs = alphas.double().cumprod(-1)

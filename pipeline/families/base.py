@@ -192,7 +192,7 @@ def calibrate_confidences(trainer: TrainContext, directory: Path, data_fn: Calla
     raw["sampled_confidence_calibration"] = {
         str(t): {"temperatures": fitted[t]["temperatures"], "biases": fitted[t]["biases"]} for t in temperatures
     }
-    atomic_write_text(cfg_path, json.dumps(raw, indent=2))
+    atomic_write_text(cfg_path, json.dumps(raw, indent=2, allow_nan=False))
     report = {
         **fitted[trained],
         "bins": bins,
@@ -200,17 +200,22 @@ def calibrate_confidences(trainer: TrainContext, directory: Path, data_fn: Calla
         "ranks": acc.num_processes,
         "by_sampling_temperature": {str(t): fitted[t] for t in temperatures},
     }
-    atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2))
+    atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2, allow_nan=False))
     for t in temperatures:
         f = fitted[t]
         console.print(
             f"calibrated {directory.name}/ at T = {t:g}: survival ECE by position "
-            f"{[f'{e:.3f}' for e in f['survival_ece_before']]} -> {[f'{e:.3f}' for e in f['survival_ece_after']]}; "
+            f"{_eces(f['survival_ece_before'])} -> {_eces(f['survival_ece_after'])}; "
             f"first slot predicted {f['first_slot_predicted']:.1%}, accepted {f['first_slot_accepted']:.1%} "
             f"({f['samples']} {unit})",
             highlight=False,
             markup=False,
         )
+
+
+def _eces(values: list[float | None]) -> str:
+    """Survival ECEs by position for the console; '-' where no block reached the position."""
+    return "[" + ", ".join("-" if e is None else f"{e:.3f}" for e in values) + "]"
 
 
 def engine_refusal(aux_layer_ids: list[int], target_config) -> str | None:

@@ -536,3 +536,15 @@ def test_sampling_at_a_temperature_without_uniforms_is_refused(test_device):
     anchors = torch.tensor([[6, 8], [7, 9]], device=test_device)
     with pytest.raises(ValueError, match="needs uniforms of shape"):
         model(b["aux"], b["input_ids"], b["attention_mask"], anchors, 1.0)
+
+
+def test_survival_ece_is_none_where_no_block_reaches_a_position():
+    """With sampled Markov inputs a position can have no valid slot in the whole holdout; its ECE is None, which the
+    calibration report writes as JSON null (NaN, as it was, is not JSON: jq and JavaScript refuse the file)."""
+    import json
+
+    conf, alpha = torch.zeros(5, 3), torch.full((5, 3), 0.5)
+    valid = torch.tensor([[True, True, False]] * 5)
+    eces = survival_ece(conf, alpha, valid, [1.0] * 3)
+    assert eces[2] is None and eces[0] is not None and eces[1] is not None
+    json.dumps({"survival_ece_after": eces}, allow_nan=False)  # raises on NaN
