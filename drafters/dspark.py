@@ -33,8 +33,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from draftsmith.drafters import ttt_attention
 from draftsmith.drafters.common import DrafterBase, DrafterConfigMixin, target_shape_fields
 from draftsmith.drafters.eagle3 import KVCache, repeat_kv
+from draftsmith.drafters.losses import inverse_cdf
 from draftsmith.drafters.ttt_attention import selected_impl
-from draftsmith.eval.sampling import inverse_cdf
 
 
 @dataclass

@@ -310,3 +310,13 @@ def step_terms(
     exact = teacher.exact if temperature > 0 else None
     loss, alpha, correct = _StepTerms.apply(logits, teacher.probs, exact, teacher.argmax, draft_ids, kind, temperature)
     return loss, alpha, correct
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The tokens [...] drawn from `probs` [..., V] (any non-negative weights, a distribution per leading index) at
+    the uniform draws `u` [...] in [0, 1): the first token whose cumulative sum exceeds u times the total.
+    `eval.sampling.sample` draws one token with it, and DSpark's sampled training-time test a token per slot of a
+    whole batch (so it lives here, in the layer both may import)."""
+    cdf = probs.double().cumsum(-1)
+    at = (u.to(cdf) * cdf[..., -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, at, right=True).squeeze(-1)

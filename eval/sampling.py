@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.drafters.losses import inverse_cdf
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -59,15 +61,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     below the total): the search never runs past the last token."""
     u = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device)
     return int(inverse_cdf(probs, u))
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The tokens [...] drawn from `probs` [..., V] (any non-negative weights, a distribution per leading index) at
-    the uniform draws `u` [...] in [0, 1): the first token whose cumulative sum exceeds u times the total. `sample`
-    draws one token with it, and DSpark's sampled training-time test a token per slot of a whole batch."""
-    cdf = probs.double().cumsum(-1)
-    at = (u.to(cdf) * cdf[..., -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, at, right=True).squeeze(-1)
 
 
 def uniform(generator: torch.Generator | None) -> float:
