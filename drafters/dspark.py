@@ -531,6 +531,7 @@ class DSparkDrafter(DrafterBase):
         if sample_temperature > 0 and (uniforms is None or uniforms.shape != (B, A, G)):
             got = None if uniforms is None else tuple(uniforms.shape)
             raise ValueError(f"sampling at T = {sample_temperature} needs uniforms of shape {(B, A, G)}, got {got}")
+        u = None if uniforms is None else uniforms.to(device)
         draft_ids = torch.arange(self.config.draft_vocab_size, device=device) + self.d2t
         prev_k = block_tokens.view(B, A, G)[..., 0]
         outs, confs, prevs = [], [], []
@@ -544,7 +545,7 @@ class DSparkDrafter(DrafterBase):
                     choice = logits_k.argmax(-1)
                 else:
                     probs = torch.softmax(logits_k.float() / sample_temperature, dim=-1)
-                    choice = inverse_cdf(probs, cast(torch.Tensor, uniforms)[:, :, k].to(device))
+                    choice = inverse_cdf(probs, cast(torch.Tensor, u)[:, :, k])
                 prev_k = draft_ids[choice]
         return torch.stack(outs, 2), torch.stack(confs, 2), torch.stack(prevs, 2)
 

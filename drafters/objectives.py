@@ -209,7 +209,7 @@ def sample_anchors(
     are, so the draw never waits on the device (issue 20); A does not depend on the data for the same reason."""
     B, T = loss_mask.shape
     candidate = shift(loss_mask.bool() & attention_mask.bool(), 1)  # p is a candidate if p+1 is supervised
-    ranks = torch.stack([torch.randperm(T, generator=_anchor_generator(seed, epoch, sid)) for sid in ids])
+    ranks = torch.stack([torch.randperm(T, generator=_sequence_generator(seed, epoch, sid)) for sid in ids])
     keys = torch.where(candidate, ranks.to(loss_mask.device, non_blocking=True), -1)
     top = keys.topk(max(1, min(count, T - 1)), dim=1)  # the candidates of highest rank; -1: fewer candidates than A
     # sorted by position, padding last: position T sorts after every real one
@@ -218,21 +218,20 @@ def sample_anchors(
     return torch.where(valid, order, 0), valid
 
 
-def _anchor_generator(seed: int, epoch: int, sequence_id: str) -> torch.Generator:
-    """The generator of one sequence's anchor draw in one epoch (a CPU generator, for a draw that is the same on
-    every device)."""
+def _sequence_generator(seed: int, epoch: int, sequence_id: str, stream: str = "") -> torch.Generator:
+    """The CPU generator of one sequence's draws in one epoch: the anchors (stream "") and the sampled Markov inputs
+    ("markov"). On the CPU, for a draw that is the same on every device, rank count and batch."""
     import zlib
 
-    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{epoch}:{sequence_id}".encode()))
+    tag = f"{seed}:{epoch}:{sequence_id}" + (f":{stream}" if stream else "")
+    return torch.Generator().manual_seed(zlib.crc32(tag.encode()))
 
 
 def _markov_uniforms(seed: int, epoch: int, ids: list[str], anchors: int, block_size: int) -> torch.Tensor:
     """[B, anchors, block_size] float64 uniforms of the sampled training-time test: each sequence's from a CPU
     generator seeded from (seed, epoch, sequence id), like its anchors, so a resumed run, any rank count and any
     device draw the same tokens for it (and the holdout and the calibration draw the same at every call)."""
-    import zlib
-
-    gens = [torch.Generator().manual_seed(zlib.crc32(f"{seed}:{epoch}:{sid}:markov".encode())) for sid in ids]
+    gens = [_sequence_generator(seed, epoch, sid, "markov") for sid in ids]
     return torch.stack([torch.rand(anchors, block_size, dtype=torch.float64, generator=g) for g in gens])
 
 
