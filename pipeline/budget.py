@@ -60,8 +60,12 @@ class Probes:
     load: float
     """Seconds to load the target (each stage does, once per drafter family in `train`)."""
     train_step: float
-    """Seconds per EAGLE-3 training step (objective, backward, AdamW) over 512 tokens of random features, shaped
-    and in the precision the trainer would use."""
+    """Seconds per training step (objective, backward, AdamW) over 512 tokens of random features, shaped and in the
+    precision the trainer would use: each family the recipe trains (`train.drafters`) is timed, and the times are
+    averaged weighted by the family's epochs, which is how the train stage divides its steps among them (the
+    families train on the same data). One family's step alone does not follow the stage from one kind of machine
+    to another: on an AMX Xeon an EAGLE-3 step probed 0.53x an AMD EPYC's while the stage, half of it DSpark's
+    steps, ran at 0.84x."""
 
 
 def _sync(device: torch.device) -> None:
@@ -113,8 +117,13 @@ def _extra_step_seconds(long, short, extra: int, device: torch.device, repeats: 
     return statistics.median(longs) / extra
 
 
-def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repeats: int = 3, steps: int = 6) -> Probes:
-    """The probes on the target `model`, which took `load` seconds to load (see `Probes`)."""
+def measure_probes(
+    model, cfg: RunConfig, aux_ids: list[int], load: float, repeats: int = 3, steps: int = 6, train_repeats: int = 5
+) -> Probes:
+    """The probes on the target `model`, which took `load` seconds to load (see `Probes`). The training step is
+    the median of `train_repeats` timed steps per family: it is the longest probed call (0.4 s and more on a
+    2-core CPU), so one stall of the machine during it is likeliest, and with two timed steps one stall of 1.6 s once
+    made a 0.41 s step read 1.18 s (docs/benchmarks.md, 2026-12-05)."""
     from draftsmith.eval.runner import HFTarget
 
     runner = HFTarget(model, aux_ids)  # eval's own target runner: its cache and hooks are what eval pays for
@@ -162,14 +171,22 @@ def measure_probes(model, cfg: RunConfig, aux_ids: list[int], load: float, repea
         prefill=prefill,
         decode=decode,
         load=load,
-        train_step=_timed(_train_step_fn(model, cfg, aux_ids), device, max(1, repeats - 1)),
+        train_step=train_probe(
+            {f: _timed(_train_step_fn(model, cfg, aux_ids, f), device, train_repeats) for f in cfg.train.drafters},
+            cfg,
+        ),
     )
 
 
-def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512):
-    """One EAGLE-3 training step on random features, as the trainer runs it (shape, objective, autocast, AdamW). It
-    is a measure of the machine, so it is EAGLE-3's (the family the references were measured with) whatever the
-    recipe trains."""
+def train_probe(step_seconds: dict[str, float], cfg: RunConfig) -> float:
+    """The families' step times averaged, each weighted by its epochs (`Probes.train_step`)."""
+    epochs = {family: cfg.train.epochs_for(family) for family in step_seconds}
+    return sum(epochs[f] * step_seconds[f] for f in step_seconds) / sum(epochs.values())
+
+
+def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], family_name: str, length: int = 512):
+    """One training step of `family_name`'s drafter on random features, as the trainer runs it (its section's
+    shape, objective, autocast, AdamW)."""
     from draftsmith.drafters.vocab import select_draft_vocab
     from draftsmith.pipeline.families import get_family
     from draftsmith.pipeline.families.base import TargetParts
@@ -181,8 +198,8 @@ def _train_step_fn(model, cfg: RunConfig, aux_ids: list[int], length: int = 512)
     draft_vocab = min(cfg.train.draft_vocab_size, vocab)
     g = torch.Generator().manual_seed(0)
     d2t, t2d = select_draft_vocab(torch.rand(vocab, generator=g), draft_vocab)
-    family = get_family("eagle3")
-    section = cfg.train.section("eagle3")
+    family = get_family(family_name)
+    section = cfg.train.section(family_name)
     embed = model.get_input_embeddings().weight.detach().float().cpu()
     head = model.get_output_embeddings().weight.detach().float()
     parts = TargetParts(tc, list(aux_ids), draft_vocab, embed, head.cpu(), d2t, t2d)

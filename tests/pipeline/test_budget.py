@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from draftsmith.pipeline import budget
 from draftsmith.pipeline.budget import Probes, choose_sizes, measure_probes
 from draftsmith.pipeline.cli import main
 from draftsmith.pipeline.config import ConfigError, load_config
@@ -101,9 +102,50 @@ def test_minutes_without_a_reference_is_refused():
 def test_probes_run_on_a_real_target(tiny_target_dir):
     from draftsmith.pipeline.target import load_model
 
-    cfg = load_config(None, [f"model.target={tiny_target_dir}", "generate.batch_size=4", "train.draft_vocab_size=200"])
-    probes = measure_probes(load_model(cfg.model), cfg, aux_ids=[1, 2], load=1.0)
+    cfg = load_config(
+        None,
+        [
+            f"model.target={tiny_target_dir}",
+            "generate.batch_size=4",
+            "train.draft_vocab_size=200",
+            "train.drafters=[eagle3,dspark]",  # each family's real training step runs in the probe
+        ],
+    )
+    probes = measure_probes(load_model(cfg.model), cfg, aux_ids=[1, 2], load=1.0, train_repeats=1)
     assert all(v > 0 for v in vars(probes).values())
+
+
+def test_the_training_probe_weights_each_trained_family_by_its_epochs():
+    cfg = load_config(None, ["train.drafters=[eagle3,dspark]", "train.eagle3.epochs=12", "train.dspark.epochs=4"])
+    assert budget.train_probe({"eagle3": 0.4, "dspark": 1.2}, cfg) == pytest.approx((12 * 0.4 + 4 * 1.2) / 16)
+    alone = load_config(None, ["train.drafters=[dspark]", "train.epochs=3"])
+    assert budget.train_probe({"dspark": 1.2}, alone) == pytest.approx(1.2)
+
+
+def test_one_stalled_training_step_does_not_move_the_training_probe(tiny_target_dir, monkeypatch):
+    """The demo's probe once read 1.18 s for a 0.41 s step: the median of two timed steps, one of them stalled.
+    Here each family's step takes 20 ms and one timed step of each stalls for 400 ms."""
+    import time
+
+    from draftsmith.pipeline.target import load_model
+
+    calls: dict[str, int] = {}
+
+    def fake_step_fn(model, cfg, aux_ids, family):
+        def step():
+            calls[family] = calls.get(family, 0) + 1
+            time.sleep(0.4 if calls[family] == 2 else 0.02)  # call 1 is the untimed warm-up
+
+        return step
+
+    monkeypatch.setattr(budget, "_train_step_fn", fake_step_fn)
+    cfg = load_config(
+        None,
+        [f"model.target={tiny_target_dir}", "generate.batch_size=4", "train.drafters=[eagle3,dspark]"],
+    )
+    probes = measure_probes(load_model(cfg.model), cfg, aux_ids=[1, 2], load=1.0)
+    assert set(calls) == {"eagle3", "dspark"}
+    assert probes.train_step < 0.1, probes.train_step  # 0.02 s and scheduling; a stall counted: >= 0.21 s
 
 
 def test_a_budgeted_run_sizes_itself_records_the_choice_and_reuses_it(tmp_path, tiny_target_dir):
