@@ -166,15 +166,16 @@ def measure_probes(
                     runner.compact()
 
         decode = _timed(eval_passes, device, repeats) / (steps // 2)
+    per_family = {f: _timed(_train_step_fn(model, cfg, aux_ids, f), device, train_repeats) for f in cfg.train.drafters}
+    log.info(
+        "budget: a training step per family: %s", ", ".join(f"{f} {1e3 * t:.0f} ms" for f, t in per_family.items())
+    )
     return Probes(
         gen_step=gen_step,
         prefill=prefill,
         decode=decode,
         load=load,
-        train_step=train_probe(
-            {f: _timed(_train_step_fn(model, cfg, aux_ids, f), device, train_repeats) for f in cfg.train.drafters},
-            cfg,
-        ),
+        train_step=train_probe(per_family, cfg),
     )
 
 
