@@ -1,7 +1,7 @@
 """Sizing `draftsmith run` to a wall-time budget from this machine's measured speed (`budget.minutes`).
 
 A run's stages cost what the machine's speed at four kinds of work makes them cost: `generate` is batched
-generation, `collect` the target's forward over many tokens (prefill), `train` a drafter's training step (in the
+generation, `collect` the target's forward over many tokens (prefill), `train` the trained families' training steps (in the
 precision the trainer picks), and `eval` one-token and verification passes at batch 1; each stage also loads the
 target. So before the first stage the target is loaded (timed) and four short probes of exactly that work run
 (seconds each), and every stage's time is predicted from one measured run of the same recipe (the
