@@ -28,15 +28,18 @@ def close_process_group(succeeded: bool = True) -> None:
     sharded-target test saw it once in eight suite runs). A barrier on a gloo group waits for that group's earlier
     work, but on that group only, and DeepSpeed and transformers' tensor parallelism issue theirs on groups of
     their own (ZeRO-3 prefetches parameters asynchronously). So, first, objects that are no longer reachable but
-    hold work or groups (an engine in a reference cycle) are collected; then every group this rank belongs to gets a
-    barrier, in the order the groups were made: all ranks made them in that order, so no two ranks wait on each
-    other's next group; then all are destroyed."""
+    hold work or groups (an engine in a reference cycle) are collected; then the default group and every gloo group
+    this rank belongs to get a barrier, in the order the groups were made: all ranks made them in that order, so no
+    two ranks wait on each other's next group; then all are destroyed. NCCL groups other than the default one get
+    none: NCCL makes a group's communicator at its first collective, and DeepSpeed makes groups it may never use."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if succeeded:
         gc.collect()
+        world = dist.group.WORLD
         for group in open_groups():
-            dist.barrier(group=group)
+            if group is world or dist.get_backend(group) == "gloo":
+                dist.barrier(group=group)
     dist.destroy_process_group()
 
 

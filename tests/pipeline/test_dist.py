@@ -34,6 +34,27 @@ def test_closing_waits_on_every_group_in_the_order_they_were_made(tmp_path, monk
             dist.destroy_process_group()
 
 
+def test_closing_leaves_groups_of_other_backends_alone(tmp_path, monkeypatch):
+    """An NCCL group is made at its first collective: a barrier would build communicators for groups that DeepSpeed
+    made and never used. Only the default group and gloo groups get one (the sub-group here stands for NCCL)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        world = dist.group.WORLD
+        sub = dist.new_group([0])
+        real_backend = dist.get_backend
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl" if group is sub else real_backend(group))
+        waited = []
+        real_barrier = dist.barrier
+        monkeypatch.setattr(
+            dist, "barrier", lambda group=None, **k: (waited.append(group), real_barrier(group=group))[1]
+        )
+        ds_dist.close_process_group()
+        assert waited == [world]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_closing_after_an_error_skips_the_barriers(tmp_path, monkeypatch):
     """After an error the other ranks may never reach a barrier: the groups are destroyed without one."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
