@@ -180,7 +180,8 @@ def measure_probes(
 
 
 def train_probe(step_seconds: dict[str, float], cfg: RunConfig) -> float:
-    """The families' step times averaged, each weighted by its epochs (`Probes.train_step`)."""
+    """The families' step times averaged, each weighted by its epochs (`Probes.train_step`). A family capped by
+    `max_steps` is weighted by its epochs all the same: how many steps an epoch has is not known before the data."""
     epochs = {family: cfg.train.epochs_for(family) for family in step_seconds}
     return sum(epochs[f] * step_seconds[f] for f in step_seconds) / sum(epochs.values())
 
