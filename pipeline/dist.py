@@ -52,7 +52,8 @@ def open_groups() -> list[dist.ProcessGroup]:
 
         return list(_world.pg_names)
     except (ImportError, AttributeError):
-        return [dist.group.WORLD]
+        world = dist.group.WORLD
+        return [] if world is None else [world]
 
 
 def single_writer(stage: Callable[..., Path]) -> Callable[..., Path]:
