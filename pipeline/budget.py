@@ -1,9 +1,9 @@
 """Sizing `draftsmith run` to a wall-time budget from this machine's measured speed (`budget.minutes`).
 
 A run's stages cost what the machine's speed at four kinds of work makes them cost: `generate` is batched
-generation, `collect` the target's forward over many tokens (prefill), `train` the trained families' training steps (in the
-precision the trainer picks), and `eval` one-token and verification passes at batch 1; each stage also loads the
-target. So before the first stage the target is loaded (timed) and four short probes of exactly that work run
+generation, `collect` the target's forward over many tokens (prefill), `train` the trained families' training steps
+(in the precision the trainer picks), and `eval` one-token and verification passes at batch 1; each stage also loads
+the target. So before the first stage the target is loaded (timed) and four short probes of exactly that work run
 (seconds each), and every stage's time is predicted from one measured run of the same recipe (the
 `budget.reference`): its loads at this machine's load time, plus the rest of its time there times the ratio of
 the probe here to the probe there, times the ratio of the sizes. The data stages scale with
@@ -65,7 +65,9 @@ class Probes:
     averaged weighted by the family's epochs, which is how the train stage divides its steps among them (the
     families train on the same data). One family's step alone does not follow the stage from one kind of machine
     to another: on an AMX Xeon an EAGLE-3 step probed 0.53x an AMD EPYC's while the stage, half of it DSpark's
-    steps, ran at 0.84x."""
+    steps, ran at 0.84x. A bare step still over-predicts how much slower the stage gets where the kernels are
+    slower (+40% on torch's AVX2 path in fp32, where most of a real step does not depend on them; see
+    docs/benchmarks.md)."""
 
 
 def _sync(device: torch.device) -> None:
