@@ -26,10 +26,10 @@ from draftsmith.eval.proposers import NoDraft
 from draftsmith.eval.sampling import SamplingParams
 from draftsmith.eval.schedule import CostTable
 
-METHOD = 4
+METHOD = 5
 """The version of how tables are measured, part of the cache key: a table measured another way is measured again
 (4: the CPU's few-row fp32 products of eval.cpu_linear, which make a wider pass much cheaper than tables measured
-before them say)."""
+before them say; 5: eval.cpu_attention, whose masked wider passes no longer copy a grouped-query target's cache)."""
 
 
 def _per_round(results, field: str) -> float:

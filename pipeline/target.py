@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from draftsmith.data.packaged import PackagedFileError, distribution_file
+from draftsmith.eval.cpu_attention import use_cpu_attention
 from draftsmith.eval.cpu_linear import use_cpu_linears
 from draftsmith.pipeline.config import ModelConfig
 from draftsmith.pipeline.precision import resolve_dtype
@@ -353,6 +354,7 @@ def load_model(
         model.to(device)
         if device.type == "cpu":
             use_cpu_linears(model)  # torch's fast CPU products for decoding's shapes (eval.cpu_linear)
+            use_cpu_attention(model)  # grouped key/value heads read in place by masked passes (eval.cpu_attention)
     model.eval()
     model.requires_grad_(False)
     return model
