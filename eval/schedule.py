@@ -208,6 +208,7 @@ class CostSchedule:
     predicted: list[float]
     accepted: list[float]
     verified: list[float]
+    declined: list[float]
 
     def __init__(self, costs: CostTable, learn_costs: bool = True):
         self.costs = costs
@@ -231,8 +232,10 @@ class CostSchedule:
         catch-ups, the plain rounds taken in place of drafted ones to time it (`checks`), the rounds that asked a
         drafter that did not pay again (`probes`), the slots verified only to time a wider pass (`explores`) and the
         last pass timed (`previous`: plain/wide, excess); and the online calibration, per depth i: the predicted
-        survival Σ c_0...c_i of the slots verified so far, how many of them were accepted and how many verified (kept
-        across decodes, fading over `memory_rounds` rounds: only rounds already verified count, never this one's)."""
+        survival Σ c_0...c_i of the slots verified so far, how many of them were accepted and how many verified, and
+        (Σ calibrated survival, count) of the first slots admission turned down (`declined`, for `first_slot_rate`)
+        (kept across decodes, fading over `memory_rounds` rounds: only rounds already verified count, never this
+        one's)."""
         return {
             "backoff": 1,
             "excess": {},
@@ -243,6 +246,7 @@ class CostSchedule:
             "predicted": [],
             "accepted": [],
             "verified": [],
+            "declined": [0.0, 0.0],
         }
 
     def regime(self, sampling: Hashable) -> None:
@@ -281,12 +285,22 @@ class CostSchedule:
         return (self.accepted[i] + self.prior) / (self.predicted[i] + self.prior)
 
     def first_slot_rate(self) -> float:
-        """The chance that a first draft is accepted, for a row that has not drafted yet (a new decode): the share
-        of first slots accepted so far, shrunk toward 1 by `prior` (1 before any: the first round drafts, to learn).
-        Taken rather than the row's first confidence calibrated, which does not exist before its first round."""
-        if not self.verified:
+        """The chance that a first draft is accepted, for a row that has not drafted yet (a new decode): over the
+        first slots drafted so far, those verified counted by whether they were accepted and those admission turned
+        down by their calibrated survival (what the schedule predicted for them), shrunk toward 1 by `prior` (1
+        before any: the first round drafts, to learn). Taken rather than the row's first confidence calibrated,
+        which does not exist before its first round.
+
+        The slots turned down count: a drafter whose every first slot admission declines verifies none, and a rate
+        over verified slots alone stayed at its prior of 1, so every new decode's first round drafted, a catch-up
+        over its prompt that was then declined (DSpark on an AMX Xeon: two of its ~9 ms catch-ups per domain,
+        about 0.3% of its decoding, with no slot verified)."""
+        accepted = self.accepted[0] if self.verified else 0.0
+        verified = self.verified[0] if self.verified else 0.0
+        predicted, declined = self.declined
+        if not verified and not declined:
             return 1.0
-        return (self.accepted[0] + self.prior) / (self.verified[0] + self.prior)
+        return (accepted + predicted + self.prior) / (verified + declined + self.prior)
 
     def reset(self) -> None:
         """A new decode: no rounds skipped yet. The backoff is kept, like the online calibration: a drafter that did
@@ -342,7 +356,7 @@ class CostSchedule:
     def _fade(self) -> None:
         """One round older: the online calibration's sums times 1 − 1/`memory_rounds` (a few numbers per depth)."""
         keep = 1.0 - 1.0 / self.memory_rounds
-        for sums in (self.predicted, self.accepted, self.verified):
+        for sums in (self.predicted, self.accepted, self.verified, self.declined):
             sums[:] = [x * keep for x in sums]
 
     def _check_plain(self, batch: int) -> bool:
@@ -500,6 +514,10 @@ class CostSchedule:
             admitted[torch.tensor(taken[:best])] = True
             self.expected += best_gain
             self.width += 1
+        if i == 0:  # first slots turned down: their predicted survival is what `first_slot_rate` learns from them
+            for b in taken[best:]:
+                self.declined[0] += float(s[b])
+                self.declined[1] += 1.0
         if self.last is not None:  # depth i was drafted (admitted or not): i steps past the round's first
             self.last = (self.batch, self.width, i)
         # another depth: each admitted row's next slot survives with about its survival times its latest confidence

@@ -547,6 +547,22 @@ def test_a_new_decode_predicts_its_first_slot_from_the_first_slots_verified_so_f
     assert not s.worth_drafting(new, on)
 
 
+def test_first_slots_admission_turns_down_teach_the_rate_a_new_decode_is_predicted_at():
+    """A drafter whose every first slot admission declines (confidence 0.05 where slot 0 pays from 0.273) has none
+    verified; its declined slots count at their calibrated survival, so after a decode of them a new decode's first
+    round is a plain step, not a draft round that catches up on the prompt only to decline its slot again."""
+    new, low = (torch.tensor([x], dtype=torch.float64) for x in (float("nan"), 0.05))
+    on = torch.tensor([True])
+    s = CostSchedule(TABLE)
+    for _ in range(30):  # drafted rounds (a probe, or a new decode's first), each slot declined
+        s.begin(on)
+        assert not s.admit(0, low, torch.ones(1, dtype=torch.float64), on).any()
+    assert not s.verified  # nothing verified: the share of accepted first slots alone would still say 1
+    assert s.first_slot_rate() == pytest.approx((30 * 0.05 + 4) / (30 + 4))
+    s.reset()
+    assert not s.worth_drafting(new, on)
+
+
 @pytest.mark.parametrize("family", ["eagle3", "dspark"])
 def test_a_decode_the_schedule_never_drafts_in_costs_the_drafter_nothing(tiny64, family):
     """Where the schedule skips every round (a slot costs 4 more passes, a probe waits the most rounds allowed),
