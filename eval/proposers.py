@@ -175,7 +175,7 @@ class TrainedProposer(NoDraft):
 
     def _reset_schedule(self, rows: int) -> None:
         """A new decode of `rows` rows: no first-slot confidence seen yet (NaN: the schedule predicts a new row's
-        first slot from the first slots verified so far, `CostSchedule.first_slot_rate`)."""
+        first slot from the first slots drafted so far, `CostSchedule.first_slot_rate`)."""
         self.c0 = torch.full((rows,), float("nan"), dtype=torch.float64)
         if self.schedule is not None:
             self.schedule.reset()

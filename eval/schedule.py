@@ -24,9 +24,10 @@ so that these probes cost at most a small share (`probe_share`) of the time they
 whether the next first slot will be accepted (on the demo's EAGLE-3, every such score ranked it at chance:
 launch/bench_confidence.py): all this decision can use is a level. A row's last first-slot confidence, calibrated,
 adds only noise to it; replayed on a table where drafting pays, the skips it caused cost 2% at T = 1 against a
-decision from the pooled share of first slots accepted alone (`first_slot_rate`, launch/replay_schedule.py). That
-decision alone, run on the machine, starved: DSpark's admission turned down every slot at T = 1, so no first slot was
-verified, the share stayed at its prior and every round paid a draft round (0.88x; docs/benchmarks.md). The last
+decision from the pooled share of first slots accepted alone (launch/replay_schedule.py). That decision alone, run
+on the machine, starved: DSpark's admission turned down every slot at T = 1, so no first slot was verified, the share
+stayed at its prior and every round paid a draft round (0.88x; docs/benchmarks.md). (A new decode's rows, which have
+no confidence yet, are predicted at `first_slot_rate`, which counts the slots turned down too.) The last
 confidence is at least the admission's own. Each row's own level within its decode was tried and not kept either: a
 64-token decode is too short to tell a prompt's level from a streak (replayed, it lost 1.0% where drafting pays).
 
@@ -233,7 +234,7 @@ class CostSchedule:
         drafter that did not pay again (`probes`), the slots verified only to time a wider pass (`explores`) and the
         last pass timed (`previous`: plain/wide, excess); and the online calibration, per depth i: the predicted
         survival Σ c_0...c_i of the slots verified so far, how many of them were accepted and how many verified, and
-        (Σ calibrated survival, count) of the first slots admission turned down (`declined`, for `first_slot_rate`)
+        (Σ confidence, count) of the first slots admission turned down (`declined`, for `first_slot_rate`)
         (kept across decodes, fading over `memory_rounds` rounds: only rounds already verified count, never this
         one's)."""
         return {
@@ -285,22 +286,20 @@ class CostSchedule:
         return (self.accepted[i] + self.prior) / (self.predicted[i] + self.prior)
 
     def first_slot_rate(self) -> float:
-        """The chance that a first draft is accepted, for a row that has not drafted yet (a new decode): over the
-        first slots drafted so far, those verified counted by whether they were accepted and those admission turned
-        down by their calibrated survival (what the schedule predicted for them), shrunk toward 1 by `prior` (1
-        before any: the first round drafts, to learn). Taken rather than the row's first confidence calibrated,
-        which does not exist before its first round.
+        """The chance that a first draft is accepted, for a row that has not drafted yet (a new decode): the mean
+        confidence of the first slots drafted so far, verified or turned down by admission, times the online
+        calibration's `ratio(0)`, which is what admission predicts for a first slot of that confidence (1 before any:
+        the first round drafts, to learn). The row's own first confidence does not exist before its first round.
 
-        The slots turned down count: a drafter whose every first slot admission declines verifies none, and a rate
-        over verified slots alone stayed at its prior of 1, so every new decode's first round drafted, a catch-up
-        over its prompt that was then declined (DSpark on an AMX Xeon: two of its ~9 ms catch-ups per domain,
-        about 0.3% of its decoding, with no slot verified)."""
-        accepted = self.accepted[0] if self.verified else 0.0
-        verified = self.verified[0] if self.verified else 0.0
-        predicted, declined = self.declined
-        if not verified and not declined:
+        The slots turned down count. Predicted from the first slots verified alone (the share accepted, shrunk toward
+        1), a drafter whose every first slot admission declined verified none, its rate stayed at its prior of 1, and
+        every new decode's first round caught up on its prompt only to decline again (DSpark on an AMX Xeon: one of
+        its ~9 ms catch-ups per decode, with no slot verified)."""
+        confidence = (self.predicted[0] if self.verified else 0.0) + self.declined[0]
+        drafted = (self.verified[0] if self.verified else 0.0) + self.declined[1]
+        if not drafted:
             return 1.0
-        return (accepted + predicted + self.prior) / (verified + declined + self.prior)
+        return min(confidence / drafted * self.ratio(0), 1.0)
 
     def reset(self) -> None:
         """A new decode: no rounds skipped yet. The backoff is kept, like the online calibration: a drafter that did
@@ -514,9 +513,9 @@ class CostSchedule:
             admitted[torch.tensor(taken[:best])] = True
             self.expected += best_gain
             self.width += 1
-        if i == 0:  # first slots turned down: their predicted survival is what `first_slot_rate` learns from them
+        if i == 0:  # first slots turned down: their confidence counts toward `first_slot_rate` too
             for b in taken[best:]:
-                self.declined[0] += float(s[b])
+                self.declined[0] += float(raw[b])
                 self.declined[1] += 1.0
         if self.last is not None:  # depth i was drafted (admitted or not): i steps past the round's first
             self.last = (self.batch, self.width, i)

@@ -533,32 +533,37 @@ def test_greedy_with_the_schedule_commits_the_targets_greedy_tokens(tiny64, rows
 
 
 def test_a_new_decode_predicts_its_first_slot_from_the_first_slots_verified_so_far():
-    """A row that has not drafted yet (c0 NaN) is predicted at the share of first slots accepted so far (shrunk
-    toward 1 by the prior), not at a confidence of 1: with first slots accepted 15% of the time (and a drafter that
-    said 0.2, so calibration alone maps 1 to 0.79), a new decode's first round is a plain step under TABLE (slot 0
-    pays from 0.273)."""
+    """A row that has not drafted yet (c0 NaN) is predicted at the mean confidence of the first slots drafted so far
+    times the online calibration, not at a confidence of 1: with first slots accepted 15% of the time by a drafter
+    that said 0.2 (calibration maps 0.2 to 0.2 · 19/24 = 0.158), a new decode's first round is a plain step under
+    TABLE (slot 0 pays from 0.273)."""
     new, on = torch.tensor([float("nan")], dtype=torch.float64), torch.tensor([True])
     s = CostSchedule(TABLE)
     assert s.first_slot_rate() == 1.0 and s.worth_drafting(new, on)  # nothing seen yet: draft, to learn
     for r in range(100):
         s.observe([[0.2]], [1 if r % 20 < 3 else 0])
-    assert s.first_slot_rate() == pytest.approx((15 + 4) / (100 + 4))
+    assert s.ratio(0) == pytest.approx((15 + 4) / (100 * 0.2 + 4))
+    assert s.first_slot_rate() == pytest.approx(0.2 * s.ratio(0))
     s.reset()
     assert not s.worth_drafting(new, on)
 
 
 def test_first_slots_admission_turns_down_teach_the_rate_a_new_decode_is_predicted_at():
     """A drafter whose every first slot admission declines (confidence 0.05 where slot 0 pays from 0.273) has none
-    verified; its declined slots count at their calibrated survival, so after a decode of them a new decode's first
-    round is a plain step, not a draft round that catches up on the prompt only to decline its slot again."""
+    verified; its declined slots count at their confidence, so after one of them a new decode's first round is a
+    plain step, not a draft round that catches up on the prompt only to decline its slot again."""
     new, low = (torch.tensor([x], dtype=torch.float64) for x in (float("nan"), 0.05))
     on = torch.tensor([True])
     s = CostSchedule(TABLE)
-    for _ in range(30):  # drafted rounds (a probe, or a new decode's first), each slot declined
+    s.begin(on)
+    assert not s.admit(0, low, torch.ones(1, dtype=torch.float64), on).any()  # one drafted round, its slot declined
+    s.reset()
+    assert not s.worth_drafting(new, on)
+    for _ in range(30):  # more drafted rounds (probes, new decodes' first), each slot declined
         s.begin(on)
         assert not s.admit(0, low, torch.ones(1, dtype=torch.float64), on).any()
     assert not s.verified  # nothing verified: the share of accepted first slots alone would still say 1
-    assert s.first_slot_rate() == pytest.approx((30 * 0.05 + 4) / (30 + 4))
+    assert s.first_slot_rate() == pytest.approx(0.05)  # their confidence, as calibrated (no verified slot: ratio 1)
     s.reset()
     assert not s.worth_drafting(new, on)
 
