@@ -22,9 +22,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "draftsmith_cpu_sdpa"
+
+_transformers_sdpa: Any = None
+"""transformers' own `sdpa` attention function, which every other call goes to: imported by `use_cpu_attention`, not
+at import (transformers' attention and masking modules take ~1.8 s to import, and every CLI command imports
+pipeline.target, which imports this module)."""
 
 
 def grouped_sdpa(
@@ -42,7 +46,7 @@ def grouped_sdpa(
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     other = any(kwargs.get(k) is not None for k in ("position_bias", "softcap")) or kwargs.get("output_attentions")
     if attention_mask is None or query.shape[2] == 1 or not grouped or query.device.type != "cpu" or other:
-        return sdpa_attention_forward(
+        return _transformers_sdpa(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     # a mask is given, so the pass is not `is_causal` (transformers' rule too): the mask says what each slot sees
@@ -63,9 +67,12 @@ def use_cpu_attention(model: Any) -> bool:
     torch without grouped SDPA, is left as it is."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa" or not supported():
         return False
+    global _transformers_sdpa
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+    _transformers_sdpa = sdpa_attention_forward
     AttentionInterface.register(NAME, grouped_sdpa)
     AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     model.set_attn_implementation(NAME)
