@@ -20,6 +20,7 @@ own generator, and only for the positions it drafts, so a row's sampled output d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,19 +108,21 @@ class TrainedProposer(NoDraft):
 
     key_mask: torch.Tensor
     """[B, cache slots]: the drafter cache's valid slots per row (set by `start`)."""
-    pos: torch.Tensor
-    """[B] (CPU): each row's next position (set by `start`)."""
+    next_pos: list[int]
+    """Each row's next position (set by `start`). Plain Python, like `pending`: it moves every round, drafted or not,
+    and a round the schedule skips should cost what a plain step costs (a few torch ops per round cost 0.1-0.3% of a
+    135M target's pass on a CPU, timed inside the decode)."""
 
     schedule: CostSchedule | None = None
     """The cost-based admission rule (set by eval; None: the threshold rule, or fixed lengths)."""
     cost_schedule: CostSchedule | None = None
     """The last cost schedule `use` made, kept while another rule is in use."""
-    pending: list[tuple[torch.Tensor, ...]]
-    """Verified slots the drafter has not run over yet, one entry per round (the first: the prompts)."""
-    prompt_pending = False
-    """Whether `pending` still holds the prompts (set by `start`)."""
-    c0: torch.Tensor
-    """[B] each row's first-slot confidence of the last round it drafted (what the schedule predicts from; NaN for a
+    prompt: tuple[torch.Tensor, ...] | None = None
+    """The prompts' slots, until the drafter first runs over them (`_sync`; set by `start`)."""
+    pending: list[tuple[torch.Tensor, list[list[int]], list[int]]]
+    """Verified slots of rounds the drafter has not run over yet, as `commit` keeps them (`_pending_slots`)."""
+    c0: list[float]
+    """Per row, its first-slot confidence of the last round it drafted (what the schedule predicts from; NaN for a
     row that has not drafted yet)."""
 
     def __init__(self, drafter, confidence_threshold: float | None = None):
@@ -176,7 +179,7 @@ class TrainedProposer(NoDraft):
     def _reset_schedule(self, rows: int) -> None:
         """A new decode of `rows` rows: no first-slot confidence seen yet (NaN: the schedule predicts a new row's
         first slot from the first slots drafted so far, `CostSchedule.first_slot_rate`)."""
-        self.c0 = torch.full((rows,), float("nan"), dtype=torch.float64)
+        self.c0 = [math.nan] * rows
         if self.schedule is not None:
             self.schedule.reset()
 
@@ -188,12 +191,34 @@ class TrainedProposer(NoDraft):
         if self.schedule is not None:
             self.schedule.timed(verify_seconds, draft_seconds)
 
-    def _catching_up(self) -> None:
-        """Before the drafter's update over `pending`: tell the schedule when that is more than the last round's
-        verified slots (a decode's prompt, or rounds skipped), so the time is counted as a catch-up."""
-        if self.schedule is not None and (len(self.pending) > 1 or self.prompt_pending):
+    @property
+    def pos(self) -> torch.Tensor:
+        """[B] (CPU): each row's next position, as a tensor."""
+        return torch.tensor(self.next_pos)
+
+    def _keep_round(self, accepted: Sequence[int], rows: list[list[int]], feats: torch.Tensor) -> None:
+        """Remember a verified round for the drafter's next update (`_unseen`): row b kept len(rows[b]) slots, from its
+        next position on (`rows[b]`: the tokens the drafter reads with them, EAGLE-3's; a block drafter reads none).
+        Kept as Python lists and a view of the features: a round the schedule skips builds no tensors."""
+        self.pending.append((feats[:, : max(accepted) + 1], rows, self.next_pos))
+        self.next_pos = [p + n + 1 for p, n in zip(self.next_pos, accepted)]
+
+    def _unseen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The slots the drafter has not run over (the prompts, then every pending round, side by side), as (target
+        features [B, n, F], tokens [B, n], valid [B, n], positions [B, n]) on the drafter's device, and forgets them;
+        None when there are none. Tells the schedule when they are more than the last round's verified slots (a
+        decode's prompt, or rounds skipped), so the drafter's time on them is counted as a catch-up."""
+        if self.prompt is None and not self.pending:
+            return None
+        if self.schedule is not None and (self.prompt is not None or len(self.pending) > 1):
             self.schedule.catching_up()
-        self.prompt_pending = False
+        parts = [self.prompt] if self.prompt is not None else []
+        if self.pending:
+            parts.append(_pending_slots(self.pending))
+        self.prompt, self.pending = None, []
+        if len(parts) == 1:
+            return tuple(x.to(self.device) for x in parts[0])  # type: ignore[return-value]
+        return tuple(torch.cat([p[i] for p in parts], 1).to(self.device) for i in range(4))  # type: ignore[return-value]
 
     def _skip_round(self, active, params: SamplingParams) -> bool:
         """Whether this round drafts nothing at all (a plain target step, with no drafter work), decided by the
@@ -213,9 +238,8 @@ class TrainedProposer(NoDraft):
         drafts: list[list[int]] = [[] for _ in range(B)]
         confs: list[list[float]] = [[] for _ in range(B)]
         qs, x = [], None
-        seen = getattr(self, "c0", None)
-        if seen is None or seen.shape[0] != B:  # a chain drafted without `start`
-            self.c0 = torch.full((B,), float("nan"), dtype=torch.float64)
+        if len(getattr(self, "c0", ())) != B:  # a chain drafted without `start`
+            self.c0 = [math.nan] * B
         if self.schedule is not None:
             self.schedule.begin(drafting)
         for i in range(k):
@@ -224,7 +248,7 @@ class TrainedProposer(NoDraft):
             logits, conf = step(i, x)
             c = conf.double().cpu()
             if i == 0:  # what the schedule predicts the next rounds from
-                self.c0 = torch.where(drafting, c, self.c0)
+                self.c0 = [x if d else old for x, d, old in zip(c.tolist(), drafting.tolist(), self.c0)]
             drafting = self._admit(i, c, survival, drafting)
             if not drafting.any():
                 break
@@ -263,11 +287,10 @@ class Eagle3Proposer(TrainedProposer):
         for b, p in enumerate(prompts):
             nxt[b, P - len(p) :] = torch.tensor(list(p[1:]) + [firsts[b]])
         positions = (valid.long().cumsum(1) - 1).clamp_min(0)
-        self.pos = torch.tensor([len(p) for p in prompts])  # next step-0 position per row
+        self.next_pos = [len(p) for p in prompts]  # next step-0 position per row
         # the prompts reach the drafter when it first drafts (`_sync`): a decode the schedule never drafts in costs
         # it nothing, not even this prefill; without a schedule, at once
-        self.pending = [(feats, nxt, valid, positions)]
-        self.prompt_pending = True
+        self.prompt, self.pending = (feats, nxt, valid, positions), []
         if self.schedule is None:
             self._sync()
         self._reset_schedule(B)
@@ -275,11 +298,10 @@ class Eagle3Proposer(TrainedProposer):
     def _sync(self) -> None:
         """Run the drafter over the verified slots it has not seen (rounds it skipped, then the last one), in one
         pass: the cache ends as if every round had been committed at once. Its last slot per row gives step 0."""
-        if not self.pending:
+        unseen = self._unseen()
+        if unseen is None:
             return
-        self._catching_up()
-        feats, toks, valid, positions = (torch.cat([c[i] for c in self.pending], 1) for i in range(4))
-        self.pending = []
+        feats, toks, valid, positions = unseen
         n = valid.shape[1]
         idx = (n - 1 - valid.flip(1).int().argmax(1)).to(self.device)  # each row's last verified slot
         logits, conf, h = self._extend(feats, toks, valid, positions, heads_at=idx)  # heads of that slot only
@@ -294,6 +316,7 @@ class Eagle3Proposer(TrainedProposer):
         self._sync()
         self.round_start = self.key_mask.shape[1]
         state = {"h": self.last[2]}
+        pos = self.pos
 
         def step(i, x):
             if i == 0:
@@ -304,7 +327,7 @@ class Eagle3Proposer(TrainedProposer):
                 out, cf, state["h"] = self.drafter.decode(
                     state["h"],
                     x[:, None].to(self.device),
-                    (self.pos + i - 1)[:, None].to(self.device),
+                    (pos + i - 1)[:, None].to(self.device),
                     self.cache,
                     from_target=False,
                     key_mask=self.key_mask,
@@ -347,7 +370,7 @@ class Eagle3Proposer(TrainedProposer):
             self.key_mask = torch.cat([self.key_mask, torch.ones(1, n, dtype=torch.bool, device=self.device)], 1)
             hidden = torch.cat([outputs[tree.parents[i]] for i in expand], dim=1)
             toks = torch.tensor([[tree.tokens[i] for i in expand]], device=self.device)
-            pos = (self.pos[0] + d - 1).repeat(1, n).to(self.device)
+            pos = torch.full((1, n), self.next_pos[0] + d - 1, device=self.device)
             out, _, h = self.drafter.decode(
                 hidden, toks, pos, self.cache, from_target=False, key_mask=self.key_mask, attn_mask=mask
             )
@@ -369,17 +392,10 @@ class Eagle3Proposer(TrainedProposer):
         if self.key_mask.shape[1] > self.round_start:  # the round drafted: drop its drafting steps' entries
             self.cache.crop(self.round_start)
             self.key_mask = self.key_mask[:, : self.round_start]
-        k1 = max(accepted) + 1  # slots past every row's accepted ones would be holes everywhere
-        positions = self.pos[:, None] + torch.arange(k1)[None, :]
-        # built in Python and turned into tensors once: it runs every round, drafted or not
-        rows = [list(d[:n]) + [new] for d, n, new in zip(drafts, accepted, news)]
-        toks = torch.tensor([r + [0] * (k1 - len(r)) for r in rows])
-        kept = torch.tensor(list(accepted)) + 1
-        valid = torch.arange(k1)[None, :] < kept[:, None]
-        self.pos += kept
-        # With a schedule the drafter sees the verified slots when it next drafts (`_sync`): a round that drafts
-        # nothing costs it nothing. Without one, at once (the same cache either way).
-        self.pending.append((feats[:, :k1].to(self.device), toks, valid, positions))
+        # row b's step-0 entries: each verified slot's features with the token that follows it (its accepted drafts,
+        # then the token the target committed after them). With a schedule the drafter sees them when it next drafts
+        # (`_sync`): a round that drafts nothing costs it nothing. Without one, at once (the same cache either way).
+        self._keep_round(accepted, [list(d[:n]) + [new] for d, n, new in zip(drafts, accepted, news)], feats)
         if self.schedule is None:
             self._sync()
 
@@ -408,21 +424,20 @@ class DSparkProposer(TrainedProposer):
         """The prompts' (left-padded) positions become context; each row's anchor is its first token."""
         self.cache = self.drafter.new_cache()
         self.key_mask = torch.zeros(valid.shape[0], 0, dtype=torch.bool, device=self.device)
-        self.pos = torch.tensor([len(p) for p in prompts])  # anchor position per row
-        self.anchor = torch.tensor(list(firsts))
+        self.next_pos = [len(p) for p in prompts]  # anchor position per row
+        self.anchors = list(firsts)
         # projected when the drafter first drafts (`_sync`), as EAGLE-3's prompt is; without a schedule, at once
-        self.pending = [(feats, valid, (valid.long().cumsum(1) - 1).clamp_min(0))]
-        self.prompt_pending = True
+        positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+        self.prompt, self.pending = (feats, torch.zeros_like(positions), valid, positions), []
         if self.schedule is None:
             self._sync()
         self._reset_schedule(valid.shape[0])
 
     def _sync(self) -> None:
         """Project the verified slots the drafter has not seen into its context, in one pass."""
-        if self.pending:
-            self._catching_up()
-            feats, valid, positions = (torch.cat([c[i] for c in self.pending], 1) for i in range(3))
-            self.pending = []
+        unseen = self._unseen()
+        if unseen is not None:
+            feats, _, valid, positions = unseen  # a block drafter reads no tokens from its context
             self._extend(feats, valid, positions)
 
     @torch.no_grad()
@@ -431,12 +446,13 @@ class DSparkProposer(TrainedProposer):
             return Proposal([[] for _ in histories])
         self._sync()
         k = min(k, self.length)
+        anchor = torch.tensor(self.anchors)
         h, base = self.drafter.draft_block(
-            self.cache, self.anchor.to(self.device), self.pos.to(self.device), context_mask=self.key_mask
+            self.cache, anchor.to(self.device), self.pos.to(self.device), context_mask=self.key_mask
         )
 
         def step(i, x):
-            prev = self.anchor if i == 0 else x
+            prev = anchor if i == 0 else x
             logits, conf = self.drafter.heads(h[:, i], prev.to(self.device), base[:, i])
             return logits, self.drafter.calibrated(conf, i, params.temperature)
 
@@ -446,11 +462,27 @@ class DSparkProposer(TrainedProposer):
     def commit(self, drafts, accepted, news, feats):
         """Row b's first 1 + accepted[b] slots (the old anchor and its accepted drafts) become verified context, the
         rest holes; the new anchors are `news`."""
-        k1 = max(accepted) + 1
-        valid = torch.arange(k1)[None, :] < (torch.tensor(list(accepted)) + 1)[:, None]
         # with a schedule, projected when the drafter next drafts (`_sync`); without, at once (the same context)
-        self.pending.append((feats[:, :k1].to(self.device), valid, self.pos[:, None] + torch.arange(k1)[None, :]))
+        self._keep_round(accepted, [[0] * (n + 1) for n in accepted], feats)
         if self.schedule is None:
             self._sync()
-        self.pos += torch.tensor(list(accepted)) + 1
-        self.anchor = torch.tensor(list(news))
+        self.anchors = list(news)
+
+
+def _pending_slots(rounds: list[tuple[torch.Tensor, list[list[int]], list[int]]]):
+    """Rounds kept by `TrainedProposer._keep_round` (per round: the target features of its slots [B, k, F], the tokens
+    each row kept, each row's first position) as tensors, side by side: (features [B, n, F], tokens [B, n], valid
+    [B, n], positions [B, n]); a row's slots past what it kept are holes (token 0, its positions counted on)."""
+    B = len(rounds[0][1])
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    valid: list[list[bool]] = [[] for _ in range(B)]
+    positions: list[list[int]] = [[] for _ in range(B)]
+    for feats, rows, starts in rounds:
+        k = feats.shape[1]
+        for b in range(B):
+            kept = rows[b]
+            tokens[b] += kept + [0] * (k - len(kept))
+            valid[b] += [True] * len(kept) + [False] * (k - len(kept))
+            positions[b] += range(starts[b], starts[b] + k)
+    feats = rounds[0][0] if len(rounds) == 1 else torch.cat([r[0] for r in rounds], 1)
+    return feats, torch.tensor(tokens), torch.tensor(valid), torch.tensor(positions)

@@ -309,7 +309,7 @@ class CostSchedule:
         self.skipped = 0
         self.behind = False
 
-    def worth_drafting(self, c0: torch.Tensor, active: torch.Tensor | Sequence[bool]) -> bool:
+    def worth_drafting(self, c0: torch.Tensor | Sequence[float], active: torch.Tensor | Sequence[bool]) -> bool:
         """Whether this round runs the drafter at all, from each row's first-slot confidence of the last round it
         drafted (`c0` [B]; NaN before any: `first_slot_rate` then): drafting pays when the rows' predicted first
         slots raise the rate above a plain step's. A round that does not draft skips all drafter work; after
@@ -325,7 +325,7 @@ class CostSchedule:
         self._fade()
         ratio, pooled = self.ratio(0), self.first_slot_rate()
         seen = new = 0.0  # predicted first slots of the rows that drafted before, and of the new rows
-        for c, a in zip(c0.tolist(), rows):
+        for c, a in zip(c0.tolist() if isinstance(c0, torch.Tensor) else c0, rows):
             if a and math.isnan(c):
                 new += pooled
             elif a:

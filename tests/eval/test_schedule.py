@@ -592,6 +592,91 @@ def test_a_decode_the_schedule_never_drafts_in_costs_the_drafter_nothing(tiny64,
     assert all(d == 0 for d, _ in res[0].rounds) and calls == []
 
 
+class _Scripted:
+    """A schedule that drafts on the rounds `plan` says (cycled) and admits every slot: what a proposer keeps for
+    the rounds it skips is all this exercises."""
+
+    halted = False
+
+    def __init__(self, plan):
+        self.plan, self.round, self.skipped = plan, 0, 0
+
+    def worth_drafting(self, c0, active):
+        self.round += 1
+        drafts = self.plan[(self.round - 1) % len(self.plan)]
+        self.skipped += not drafts
+        return drafts
+
+    def admit(self, i, conf, survival, drafting):
+        return drafting
+
+    def regime(self, *a): ...
+    def begin(self, *a): ...
+    def reset(self, *a): ...
+    def observe(self, *a): ...
+    def timed(self, *a): ...
+    def catching_up(self, *a): ...
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dspark"])
+def test_a_drafter_that_skipped_rounds_drafts_what_one_started_on_the_whole_text_drafts(tiny64, family):
+    """The rounds a schedule skips are kept in Python (`_keep_round`) and run through the drafter in one pass when it
+    next drafts. On every round it drafts, each row drafts the tokens, with the confidences, of a fresh proposer
+    started on that row's whole text so far as its prompt (the prompt's own path, through the target's prefill): two
+    rows of different prompt lengths (left padding), stretches of 1 to 3 skipped rounds, rows keeping different counts of slots."""
+    from tests.eval.test_dspark_exactness import _dspark_for
+
+    drafter = _eagle3(tiny64) if family == "eagle3" else _dspark_for(tiny64)
+    make = Eagle3Proposer if family == "eagle3" else DSparkProposer
+    lazy = make(drafter)
+    lazy.schedule = _Scripted([True, False, False, True, True, False, True, False, False, False])
+    aux = drafter.config.aux_layer_ids
+    compared = []
+
+    def fresh(history, k):
+        """What a proposer started on `history` (all but its last token as the prompt) drafts first."""
+        target, p = HFTarget(tiny64, aux), make(drafter)
+        _, feats, valid = target.prefill([history[:-1]])
+        p.start([history[:-1]], [history[-1]], feats, valid)
+        return p.propose([history], [True], k, SamplingParams(), [None])
+
+    class Checked:
+        aux_ids = lazy.aux_ids
+
+        def start(self, *a):
+            lazy.start(*a)
+
+        def propose(self, histories, active, k, params, gens):
+            mine = lazy.propose(histories, active, k, params, gens)
+            if any(mine.drafts):
+                for b, h in enumerate(histories):
+                    if active[b]:
+                        compared.append((mine.drafts[b], mine.confidences[b], fresh(list(h), k)))
+            # verified (on skipped rounds too): one row, in turn, the target's own next tokens, all accepted, so rows keep different
+            # counts of slots in a round (the other's padded with holes); the drafter's update reads what was kept
+            self.round = getattr(self, "round", 0) + 1
+            b = self.round % 2
+            if active[b]:
+                mine.drafts[b] = plain_greedy(tiny64, histories[b], k)
+                if mine.confidences is not None:  # a round the drafter skipped keeps no confidences
+                    mine.confidences[b] = [0.5] * k
+            return mine
+
+        def commit(self, *a):
+            lazy.commit(*a)
+
+        def observe(self, *a): ...
+        def timed(self, *a): ...
+
+    prompts = [[5, 17, 33, 9, 41, 2], [7, 3]]
+    res = decode(HFTarget(tiny64, aux), Checked(), prompts, SamplingParams(), 3, 30)
+    assert len(compared) >= 5 and lazy.schedule.skipped >= 5  # stretches skipped, then caught up
+    assert sum(a > 0 for r in res for _, a in r.rounds) >= 5
+    for drafts, confs, theirs in compared:
+        assert drafts == theirs.drafts[0]
+        assert torch.allclose(torch.tensor(confs), torch.tensor(theirs.confidences[0]), atol=1e-7)
+
+
 def test_the_cost_table_times_the_same_rounds_for_every_chain_length(tiny64):
     """Each timed decode of `measure_costs` runs exactly `rounds` rounds (target passes after the prefill), for plain
     decoding and every γ alike, however few drafts the drafter gets accepted: a weak drafter used to decode up to
