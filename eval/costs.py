@@ -1,59 +1,105 @@
 """Measuring the cost table (eval.schedule.CostTable) on the machine at hand, through the decoding engine itself.
 
-For each batch size, the engine decodes a batch of real prompts greedily with a fixed chain length γ = 0 (plain
-decoding) ... γmax for a fixed number of rounds (`rounds` for every γ, however many drafts are accepted: a weak
-drafter does not make the table take longer), three times in turn (the median is kept); the engine's own timers give each
-round's verification time (one target pass `γ + 1` slots wide, with the acceptance rule) and drafting time. Drafting time per round is fitted as
-`round + (γ − 1) · step` (least squares over γ = 1 ... γmax), and the pass times made nondecreasing in the width: `round` is what a round costs whatever it drafts (the
-drafter's update with the verified tokens and its first position or block), `step` each further position. Timing
-through `decode` rather than bare forwards means the table holds what the scheduler will actually pay.
+For each batch size, the engine decodes a batch of real prompts greedily while the chain lengths γ = 0 (a plain
+target step) ... γmax take turns round by round: each cycle of γmax + 1 rounds runs every length once, in a fresh
+shuffled order, and every row drafts and verifies exactly that many slots (`Rotation`). Its own timers give each
+round's verification time (one target pass `γ + 1` slots wide, with the acceptance rule) and drafting time.
+Decodes last `rounds` rounds (the same context lengths as the rounds the table prices), and run until every length
+has `repeats * rounds` rounds.
+
+A pass `γ + 1` wide is priced as the plain pass (the median over its rounds) plus the median over the cycles of the
+difference to the plain round of the same cycle. The pair is at most γmax rounds apart, so a drift of the machine's
+speed (a neighbour on a shared CPU, a clock change), which is slow next to a round but not next to a whole decode,
+reaches both alike; the shuffled order makes what is left of it fall either way. (Whole decodes of each length timed
+one after another, the method before, put a second slot of a 53 ms pass at +0 ms where rounds paired this way
+measured +4.6 ms: the scheduler then drafted coding prompts at a first-slot acceptance of 14% against a real
+break-even of 19%.) The widths are then made nondecreasing. Drafting time per round is fitted as
+`round + (γ − 1) · step` (least squares over γ = 1 ... γmax, the median round of each, leaving out the rounds that
+catch up on a skipped round or a prompt): `round` is what a round costs whatever it drafts (the drafter's update
+with the verified tokens and its first position or block), `step` each further position. Timing through `decode`
+rather than bare forwards means the table holds what the scheduler will actually pay.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import random
 import statistics
-from collections.abc import Sequence
-from functools import partial
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from draftsmith.eval.engine import decode
-from draftsmith.eval.proposers import NoDraft
 from draftsmith.eval.sampling import SamplingParams
 from draftsmith.eval.schedule import CostTable
 
-METHOD = 5
+METHOD = 6
 """The version of how tables are measured, part of the cache key: a table measured another way is measured again
 (4: the CPU's few-row fp32 products of eval.cpu_linear, which make a wider pass much cheaper than tables measured
-before them say; 5: eval.cpu_attention, whose masked wider passes no longer copy a grouped-query target's cache)."""
+before them say; 5: eval.cpu_attention, whose masked wider passes no longer copy a grouped-query target's cache;
+6: the chain lengths take turns round by round, each wider pass priced against the plain round of its cycle)."""
 
 
-def _per_round(results, field: str) -> float:
-    """Seconds per batch round of a decode (each row's share times the rows, over the batch's rounds)."""
-    rounds = max(len(r.rounds) for r in results)
-    return sum(getattr(r, field) for r in results) / max(rounds, 1)
+@dataclass
+class Round:
+    """One timed round of a measuring decode."""
+
+    cycle: int
+    gamma: int
+    verify: float
+    """Seconds of the target pass and the acceptance rule."""
+    draft: float
+    """Seconds of drafting (the drafter's update with the last verified slots, and its draft steps)."""
+    catch_up: bool
+    """The drafter's update ran over more than one round's slots (a decode's prompt, or a plain round before)."""
 
 
-def _timed(runs: dict[int, Any], repeats: int, progress) -> dict[int, tuple[float, float]]:
-    """Per chain length, the median over `repeats` decodes of (verify, draft) seconds per round. The lengths take
-    turns (all once, then all again, ...): a drift of the machine's speed reaches every length alike, and one busy
-    moment does not become the table."""
-    samples: dict[int, list] = {g: [] for g in runs}
-    for _ in range(repeats):
-        for gamma, run in runs.items():
-            samples[gamma].append(run())
-            progress()
-    return {
-        g: (
-            statistics.median(_per_round(r, "verify_seconds") for r in rs),
-            statistics.median(_per_round(r, "draft_seconds") for r in rs),
-        )
-        for g, rs in samples.items()
-    }
+class Rotation:
+    """The admission rule `measure_costs` decodes with (a `TrainedProposer.schedule`): round after round the chain
+    lengths 0 ... γmax take turns, each cycle in a fresh order (shuffled by a seeded generator, so a table is measured
+    the same way every time), and every active row drafts and verifies exactly the round's length; the engine's
+    timers of each round are kept with it (`rounds`)."""
+
+    def __init__(self, gamma_max: int, seed: int = 0):
+        self.gamma_max, self.rng = gamma_max, random.Random(seed)
+        self.cycle, self.gamma = -1, 0
+        self.order: list[int] = []  # what is left of this cycle's lengths
+        self.halted, self.behind = False, False
+        self.rounds: list[Round] = []
+
+    def worth_drafting(self, c0, active) -> bool:
+        if not self.order:
+            self.cycle += 1
+            self.order = list(range(self.gamma_max + 1))
+            self.rng.shuffle(self.order)
+        self.gamma, self.behind = self.order.pop(), False
+        return self.gamma > 0
+
+    def begin(self, drafting: torch.Tensor) -> None:
+        self.halted = False
+
+    def admit(self, i: int, conf, survival, drafting: torch.Tensor) -> torch.Tensor:
+        # halted once the round's length is drafted: the proposer takes no further draft step
+        self.halted = i + 1 >= self.gamma
+        return drafting if i < self.gamma else torch.zeros_like(drafting)
+
+    def catching_up(self) -> None:
+        self.behind = True
+
+    def timed(self, verify_seconds: float, draft_seconds: float) -> None:
+        self.rounds.append(Round(self.cycle, self.gamma, verify_seconds, draft_seconds, self.behind))
+
+    def regime(self, sampling: Hashable) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def observe(self, confidences, accepted) -> None: ...
 
 
 def nondecreasing(values: Sequence[float]) -> list[float]:
@@ -69,6 +115,37 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
     return [s / n for s, n in blocks for _ in range(int(n))]
 
 
+def fit(rounds: Sequence[Round], gamma_max: int) -> tuple[dict[int, float], float, float]:
+    """(verify seconds per width 1 ... γmax + 1, draft step, draft round) from a rotation's timed rounds."""
+    cycles: dict[int, dict[int, float]] = defaultdict(dict)
+    for r in rounds:
+        cycles[r.cycle][r.gamma] = r.verify
+    plain = statistics.median(r.verify for r in rounds if r.gamma == 0)
+    widths = [plain]
+    for g in range(1, gamma_max + 1):
+        paired = [c[g] - c[0] for c in cycles.values() if g in c and 0 in c]
+        widths.append(plain + statistics.median(paired))
+    drafting = {}
+    for g in range(1, gamma_max + 1):
+        times = [r.draft for r in rounds if r.gamma == g and not r.catch_up]
+        if times:
+            drafting[g] = statistics.median(times)
+    gammas = sorted(drafting)
+    if not gammas:  # every drafted round caught up: nothing to price a round by
+        return verify_of(widths), 0.0, 0.0
+    mean_g = sum(g - 1 for g in gammas) / len(gammas)
+    mean_d = sum(drafting.values()) / len(gammas)
+    var = sum((g - 1 - mean_g) ** 2 for g in gammas)
+    cov = sum((g - 1 - mean_g) * (drafting[g] - mean_d) for g in gammas)
+    step = max(cov / var, 0.0) if var > 0 else 0.0
+    return verify_of(widths), step, max(mean_d - step * mean_g, 0.0)
+
+
+def verify_of(widths: Sequence[float]) -> dict[int, float]:
+    """{width: seconds} from the times of widths 1, 2, ..., made nondecreasing."""
+    return dict(enumerate(nondecreasing(widths), start=1))
+
+
 def measure_costs(
     runner: Any,
     proposer: Any,
@@ -79,42 +156,31 @@ def measure_costs(
     key: dict[str, str] | None = None,
     repeats: int = 3,
 ) -> CostTable:
-    """The cost table of `proposer` (its schedule and threshold off while measuring) on `runner`'s target, with a
-    progress bar over its decodes (minutes at batch 64 on a CPU)."""
+    """The cost table of `proposer` (its own schedule and threshold set aside while measuring) on `runner`'s target,
+    with a progress bar over its decodes (minutes at batch 64 on a CPU)."""
     saved = (getattr(proposer, "schedule", None), getattr(proposer, "threshold", None))
-    proposer.schedule, proposer.threshold = None, None
+    proposer.threshold = None
     greedy = SamplingParams()
     verify: dict[int, dict[int, float]] = {}
     draft_step: dict[int, float] = {}
     draft_round: dict[int, float] = {}
     name = getattr(proposer, "name", "")
-    bar = tqdm(total=len(batches) * repeats * (gamma_max + 1), desc=f"cost table {name}".strip(), unit="decode")
+    decodes = repeats * (gamma_max + 1)  # every length gets `repeats * rounds` rounds
+    room = (rounds + 1) * (gamma_max + 1)  # tokens: every draft accepted, and a stop after `rounds` however few are
+    bar = tqdm(total=len(batches) * decodes, desc=f"cost table {name}".strip(), unit="decode")
     try:
         for batch in batches:
             rows = [list(prompts[i % len(prompts)]) for i in range(batch)]
-            decode(runner, proposer, rows, greedy, 1, 3)  # untimed: allocations and kernel choice for this shape
-            # γ = 0 is plain decoding: a pass one slot wide, nothing drafted. Every γ runs exactly `rounds` rounds:
-            # room for every draft accepted, and a stop after `rounds` however few are
-            runs = {0: partial(decode, runner, NoDraft(), rows, greedy, 1, rounds + 1, max_rounds=rounds)}
-            for gamma in range(1, gamma_max + 1):
-                n_tokens = (rounds + 1) * (gamma + 1)
-                runs[gamma] = partial(decode, runner, proposer, rows, greedy, gamma, n_tokens, max_rounds=rounds)
+            rotation = Rotation(gamma_max, seed=batch)
+            proposer.schedule = rotation
+            # untimed: allocations and kernel choices for every width at this batch size
+            decode(runner, proposer, rows, greedy, gamma_max, room, max_rounds=gamma_max + 1)
+            rotation.rounds.clear()
             bar.set_postfix(batch=batch)
-            timed = _timed(runs, repeats, bar.update)
-            widths = nondecreasing([timed[g][0] for g in sorted(timed)])
-            verify[batch] = {g + 1: w for g, w in zip(sorted(timed), widths)}
-            drafting = {g: timed[g][1] for g in timed if g > 0}
-            gammas = sorted(drafting)
-            if len(gammas) > 1:
-                mean_g = sum(g - 1 for g in gammas) / len(gammas)
-                mean_d = sum(drafting.values()) / len(gammas)
-                cov = sum((g - 1 - mean_g) * (drafting[g] - mean_d) for g in gammas)
-                var = sum((g - 1 - mean_g) ** 2 for g in gammas)
-                step = max(cov / var, 0.0)
-            else:
-                step, mean_g, mean_d = 0.0, 0.0, drafting[gammas[0]]
-            draft_step[batch] = step
-            draft_round[batch] = max(mean_d - step * mean_g, 0.0)
+            for _ in range(decodes):
+                decode(runner, proposer, rows, greedy, gamma_max, room, max_rounds=rounds)
+                bar.update()
+            verify[batch], draft_step[batch], draft_round[batch] = fit(rotation.rounds, gamma_max)
     finally:
         bar.close()
         proposer.schedule, proposer.threshold = saved

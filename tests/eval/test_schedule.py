@@ -677,27 +677,6 @@ def test_a_drafter_that_skipped_rounds_drafts_what_one_started_on_the_whole_text
         assert torch.allclose(torch.tensor(confs), torch.tensor(theirs.confidences[0]), atol=1e-7)
 
 
-def test_the_cost_table_times_the_same_rounds_for_every_chain_length(tiny64):
-    """Each timed decode of `measure_costs` runs exactly `rounds` rounds (target passes after the prefill), for plain
-    decoding and every γ alike, however few drafts the drafter gets accepted: a weak drafter used to decode up to
-    (rounds + 1)(γ + 1) tokens a round at a time, so the table took (γ + 1) times longer for it (minutes at batch 64)."""
-    from draftsmith.eval.costs import measure_costs
-
-    drafter = _eagle3(tiny64)  # untrained: its drafts are almost never accepted
-    runner = HFTarget(tiny64, drafter.config.aux_layer_ids)
-    passes, step = [], runner.step
-
-    def counted(*a, **k):
-        passes.append(1)
-        return step(*a, **k)
-
-    runner.step = counted  # type: ignore[method-assign]
-    table = measure_costs(runner, Eagle3Proposer(drafter), [[5, 17, 33, 9]], [1], 3, rounds=4, repeats=2)
-    assert sorted(table.verify[1]) == [1, 2, 3, 4] and table.draft_round[1] >= 0.0
-    # per γ in 0..3: one untimed warm-up decode of the drafter (<= 2 rounds, at most 3 tokens), then 2 x 4 rounds
-    assert len(passes) - 2 <= 4 * 2 * 4 <= len(passes)
-
-
 def test_the_report_gives_the_acceptance_the_schedule_weighs_a_first_slot_against():
     """The cost table's "a first slot pays from" column is the schedule's own line: a row whose first-slot confidence
     sits just above it is drafted, just below it is not (40 ms plain pass, 42 ms two slots wide, 4 ms draft round:

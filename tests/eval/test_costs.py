@@ -1,0 +1,83 @@
+"""The cost table's measurement (eval.costs): what it times, and that a machine whose speed drifts while it measures
+does not bend the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftsmith.eval import engine
+from draftsmith.eval.costs import Round, fit, measure_costs
+from draftsmith.eval.proposers import Eagle3Proposer
+from draftsmith.eval.runner import HFTarget
+from tests.eval.test_exactness import _eagle3
+
+
+def test_the_cost_table_times_the_same_rounds_for_every_chain_length(tiny64):
+    """Every timed decode of `measure_costs` runs exactly `rounds` rounds (target passes after the prefill), however
+    few drafts the drafter gets accepted (a weak drafter used to decode up to (rounds + 1)(γ + 1) tokens a round at a
+    time, so the table took (γ + 1) times longer for it: minutes at batch 64), and every chain length gets the same
+    number of rounds."""
+    drafter = _eagle3(tiny64)  # untrained: its drafts are almost never accepted
+    runner = HFTarget(tiny64, drafter.config.aux_layer_ids)
+    widths, step = [], runner.step
+
+    def counted(tokens, *a, **k):
+        widths.append(tokens.shape[1])
+        return step(tokens, *a, **k)
+
+    runner.step = counted  # type: ignore[method-assign]
+    proposer = Eagle3Proposer(drafter)
+    table = measure_costs(runner, proposer, [[5, 17, 33, 9]], [1], 3, rounds=4, repeats=2)
+    assert sorted(table.verify[1]) == [1, 2, 3, 4] and table.draft_round[1] >= 0.0
+    # an untimed warm-up cycle of the four lengths, then 2 x 4 decodes of 4 rounds: 8 rounds of each length
+    assert sorted(widths[:4]) == [1, 2, 3, 4] and len(widths) == 4 + 2 * 4 * 4
+    assert all(widths[4:].count(w) == 8 for w in (1, 2, 3, 4))
+    assert proposer.schedule is None  # its own rule put back
+
+
+def test_a_machine_that_slows_down_while_the_table_is_measured_does_not_bend_it(tiny64, monkeypatch):
+    """A fake clock: a target pass w slots wide costs base + 4 ms * (w - 1), and base grows by 0.2 ms every pass (the
+    machine slowing by half over the measurement); a draft round 3 ms plus 1 ms per further depth. Each wider pass is
+    priced against the plain round of its own cycle, at most γmax = 3 rounds away, so no increment is off by more than
+    3 * 0.2 ms, whatever the shuffled order (whole decodes of each length one after another put the widest 48 passes
+    after the plain ones: 9.6 ms too dear). The drafting fit is exact."""
+    now = [0.0]
+    monkeypatch.setattr(engine, "clock", lambda device: now[0])
+    drafter = _eagle3(tiny64)
+    runner = HFTarget(tiny64, drafter.config.aux_layer_ids)
+    proposer = Eagle3Proposer(drafter)
+    passes, step, propose = [0], runner.step, proposer.propose
+
+    def slowing(tokens, *a, **k):
+        passes[0] += 1
+        now[0] += 0.040 + 0.0002 * passes[0] + 0.004 * (tokens.shape[1] - 1)
+        return step(tokens, *a, **k)
+
+    def drafting(*a, **k):
+        proposal = propose(*a, **k)
+        depth = max(len(d) for d in proposal.drafts)
+        now[0] += 0.003 + 0.001 * (depth - 1) if depth else 0.0
+        return proposal
+
+    runner.step, proposer.propose = slowing, drafting  # type: ignore[method-assign]
+    table = measure_costs(runner, proposer, [[5, 17, 33, 9]], [1], 3, rounds=16, repeats=3)
+    row = table.verify[1]
+    for w in (2, 3, 4):
+        assert abs(row[w] - row[1] - 0.004 * (w - 1)) <= 3 * 0.0002 + 1e-9, (w, row)
+    assert abs(table.draft_round[1] - 0.003) < 1e-9 and abs(table.draft_step[1] - 0.001) < 1e-9
+
+
+def test_the_fit_pairs_each_wider_pass_with_the_plain_round_of_its_cycle():
+    """Three cycles at three speeds of the machine, one wider pass timed in a slow moment (+15 ms): each width's
+    median alone would take that moment for its price; the median of the paired differences does not. A round that
+    caught up on skipped slots is left out of the drafting fit."""
+    rounds = [
+        Round(0, 0, 0.040, 0.0, False), Round(0, 1, 0.042, 0.010, True), Round(0, 2, 0.047, 0.005, False),
+        Round(1, 2, 0.087, 0.005, False), Round(1, 0, 0.080, 0.0, False), Round(1, 1, 0.082, 0.003, False),
+        Round(2, 1, 0.075, 0.005, False), Round(2, 0, 0.060, 0.0, False), Round(2, 2, 0.067, 0.005, False),
+    ]  # fmt: skip
+    verify, step, round_ = fit(rounds, 2)
+    # plain: median 0.060; width 2: +2, +2, +15 ms -> +2 ms (alone its median is 0.075); width 3: +7 ms in each
+    assert verify == pytest.approx({1: 0.060, 2: 0.062, 3: 0.067}, abs=1e-12)
+    # drafting: γ = 1 -> 4 ms (3 and 5; with the catch-up, 5), γ = 2 -> 5 ms
+    assert round_ == pytest.approx(0.004, abs=1e-12) and step == pytest.approx(0.001, abs=1e-12)
