@@ -4,8 +4,9 @@ For each batch size, the engine decodes a batch of real prompts greedily while t
 target step) ... γmax take turns round by round: each cycle of γmax + 1 rounds runs every length once, in a fresh
 shuffled order, and every row drafts and verifies exactly that many slots (`Rotation`). Its own timers give each
 round's verification time (one target pass `γ + 1` slots wide, with the acceptance rule) and drafting time.
-Decodes last `rounds` rounds (the same context lengths as the rounds the table prices), and run until every length
-has `repeats * rounds` rounds.
+Decodes last `rounds` rounds (the context lengths of the rounds the table prices), each on the next of the prompts
+given (the eval's: what a wider pass adds includes attention over the whole context, and the demo's prompts run
+from 44 to 233 tokens), until every length has `repeats * rounds` rounds.
 
 A pass `γ + 1` wide is priced as the plain pass (the median over its rounds) plus the median over the cycles of the
 difference to the plain round of the same cycle. The pair is at most γmax rounds apart, so a drift of the machine's
@@ -39,11 +40,12 @@ from draftsmith.eval.engine import decode
 from draftsmith.eval.sampling import SamplingParams
 from draftsmith.eval.schedule import CostTable
 
-METHOD = 6
+METHOD = 7
 """The version of how tables are measured, part of the cache key: a table measured another way is measured again
 (4: the CPU's few-row fp32 products of eval.cpu_linear, which make a wider pass much cheaper than tables measured
 before them say; 5: eval.cpu_attention, whose masked wider passes no longer copy a grouped-query target's cache;
-6: the chain lengths take turns round by round, each wider pass priced against the plain round of its cycle)."""
+6: the chain lengths take turns round by round, each wider pass priced against the plain round of its cycle; 7: each
+timed decode on the next prompts, where 6 timed the first prompt only)."""
 
 
 @dataclass
@@ -146,6 +148,11 @@ def verify_of(widths: Sequence[float]) -> dict[int, float]:
     return dict(enumerate(nondecreasing(widths), start=1))
 
 
+def _rows(prompts: Sequence[Sequence[int]], batch: int, j: int) -> list[list[int]]:
+    """The rows of the j-th timed decode: the next `batch` prompts, taken in turn (wrapping around)."""
+    return [list(prompts[(j * batch + i) % len(prompts)]) for i in range(batch)]
+
+
 def measure_costs(
     runner: Any,
     proposer: Any,
@@ -170,15 +177,14 @@ def measure_costs(
     bar = tqdm(total=len(batches) * decodes, desc=f"cost table {name}".strip(), unit="decode")
     try:
         for batch in batches:
-            rows = [list(prompts[i % len(prompts)]) for i in range(batch)]
             rotation = Rotation(gamma_max, seed=batch)
             proposer.schedule = rotation
             # untimed: allocations and kernel choices for every width at this batch size
-            decode(runner, proposer, rows, greedy, gamma_max, room, max_rounds=gamma_max + 1)
+            decode(runner, proposer, _rows(prompts, batch, 0), greedy, gamma_max, room, max_rounds=gamma_max + 1)
             rotation.rounds.clear()
             bar.set_postfix(batch=batch)
-            for _ in range(decodes):
-                decode(runner, proposer, rows, greedy, gamma_max, room, max_rounds=rounds)
+            for j in range(decodes):
+                decode(runner, proposer, _rows(prompts, batch, j), greedy, gamma_max, room, max_rounds=rounds)
                 bar.update()
             verify[batch], draft_step[batch], draft_round[batch] = fit(rotation.rounds, gamma_max)
     finally:

@@ -15,8 +15,8 @@ from tests.eval.test_exactness import _eagle3
 def test_the_cost_table_times_the_same_rounds_for_every_chain_length(tiny64):
     """Every timed decode of `measure_costs` runs exactly `rounds` rounds (target passes after the prefill), however
     few drafts the drafter gets accepted (a weak drafter used to decode up to (rounds + 1)(γ + 1) tokens a round at a
-    time, so the table took (γ + 1) times longer for it: minutes at batch 64), and every chain length gets the same
-    number of rounds."""
+    time, so the table took (γ + 1) times longer for it: minutes at batch 64), every chain length gets the same
+    number of rounds, and the timed decodes take the prompts in turn (what a wider pass adds depends on the context)."""
     drafter = _eagle3(tiny64)  # untrained: its drafts are almost never accepted
     runner = HFTarget(tiny64, drafter.config.aux_layer_ids)
     widths, step = [], runner.step
@@ -25,13 +25,23 @@ def test_the_cost_table_times_the_same_rounds_for_every_chain_length(tiny64):
         widths.append(tokens.shape[1])
         return step(tokens, *a, **k)
 
-    runner.step = counted  # type: ignore[method-assign]
+    prompts, prefill = [], runner.prefill
+
+    def logged(rows):
+        prompts.append([list(r) for r in rows])
+        return prefill(rows)
+
+    runner.step, runner.prefill = counted, logged  # type: ignore[method-assign]
     proposer = Eagle3Proposer(drafter)
-    table = measure_costs(runner, proposer, [[5, 17, 33, 9]], [1], 3, rounds=4, repeats=2)
-    assert sorted(table.verify[1]) == [1, 2, 3, 4] and table.draft_round[1] >= 0.0
-    # an untimed warm-up cycle of the four lengths, then 2 x 4 decodes of 4 rounds: 8 rounds of each length
-    assert sorted(widths[:4]) == [1, 2, 3, 4] and len(widths) == 4 + 2 * 4 * 4
-    assert all(widths[4:].count(w) == 8 for w in (1, 2, 3, 4))
+    table = measure_costs(runner, proposer, [[5, 17, 33, 9], [7, 3], [11]], [1, 2], 3, rounds=4, repeats=2)
+    assert all(sorted(table.verify[b]) == [1, 2, 3, 4] and table.draft_round[b] >= 0.0 for b in (1, 2))
+    # per batch size, an untimed warm-up cycle of the four lengths, then 2 x 4 decodes of 4 rounds: 8 rounds of each
+    for at in (widths[:36], widths[36:]):
+        assert sorted(at[:4]) == [1, 2, 3, 4] and len(at) == 4 + 2 * 4 * 4
+        assert all(at[4:].count(w) == 8 for w in (1, 2, 3, 4))
+    # each timed decode on the next prompts, in turn
+    a, b, c = [5, 17, 33, 9], [7, 3], [11]
+    assert prompts[:4] == [[a], [a], [b], [c]] and prompts[9:12] == [[a, b], [a, b], [c, a]]
     assert proposer.schedule is None  # its own rule put back
 
 
