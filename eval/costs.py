@@ -65,41 +65,54 @@ class Round:
 class Rotation:
     """The admission rule `measure_costs` decodes with (a `TrainedProposer.schedule`): round after round the chain
     lengths 0 ... γmax take turns, each cycle in a fresh order (shuffled by a seeded generator, so a table is measured
-    the same way every time), and every active row drafts and verifies exactly the round's length; the engine's
-    timers of each round are kept with it (`rounds`)."""
+    the same way every time), and every active row drafts and verifies the round's length; the engine's timers of each
+    round are kept with the length it drafted (`rounds`: a proposer that drafts fewer, as a family's may, is timed at
+    the width it verified). A round's length is set by `worth_drafting`, or by `begin` for a proposer that drafts
+    without asking."""
 
     def __init__(self, gamma_max: int, seed: int = 0):
         self.gamma_max, self.rng = gamma_max, random.Random(seed)
-        self.cycle, self.gamma = -1, 0
+        self.cycle, self.gamma, self.depth = -1, 0, 0
         self.order: list[int] = []  # what is left of this cycle's lengths
-        self.halted, self.behind = False, False
+        self.decided, self.halted, self.behind = False, False, False
         self.rounds: list[Round] = []
 
-    def worth_drafting(self, c0, active) -> bool:
+    def _next(self) -> None:
         if not self.order:
             self.cycle += 1
             self.order = list(range(self.gamma_max + 1))
             self.rng.shuffle(self.order)
-        self.gamma, self.behind = self.order.pop(), False
+        self.gamma, self.decided = self.order.pop(), True
+
+    def worth_drafting(self, c0, active) -> bool:
+        self._next()
         return self.gamma > 0
 
     def begin(self, drafting: torch.Tensor) -> None:
+        if not self.decided:
+            self._next()
         self.halted = False
 
     def admit(self, i: int, conf, survival, drafting: torch.Tensor) -> torch.Tensor:
         # halted once the round's length is drafted: the proposer takes no further draft step
         self.halted = i + 1 >= self.gamma
-        return drafting if i < self.gamma else torch.zeros_like(drafting)
+        if i >= self.gamma:
+            return torch.zeros_like(drafting)
+        if bool(drafting.any()):
+            self.depth = i + 1
+        return drafting
 
     def catching_up(self) -> None:
         self.behind = True
 
     def timed(self, verify_seconds: float, draft_seconds: float) -> None:
-        self.rounds.append(Round(self.cycle, self.gamma, verify_seconds, draft_seconds, self.behind))
+        self.rounds.append(Round(self.cycle, self.depth, verify_seconds, draft_seconds, self.behind))
+        self.decided, self.depth, self.behind = False, 0, False
+
+    def reset(self) -> None:
+        self.decided, self.depth, self.behind = False, 0, False
 
     def regime(self, sampling: Hashable) -> None: ...
-
-    def reset(self) -> None: ...
 
     def observe(self, confidences, accepted) -> None: ...
 
@@ -118,15 +131,19 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
 
 
 def fit(rounds: Sequence[Round], gamma_max: int) -> tuple[dict[int, float], float, float]:
-    """(verify seconds per width 1 ... γmax + 1, draft step, draft round) from a rotation's timed rounds."""
-    cycles: dict[int, dict[int, float]] = defaultdict(dict)
+    """(verify seconds per width 1 ... γmax + 1, draft step, draft round) from a rotation's timed rounds. Widths no
+    round verified are left out (the table extrapolates from the widest two)."""
+    cycles: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rounds:
-        cycles[r.cycle][r.gamma] = r.verify
+        cycles[r.cycle][r.gamma].append(r.verify)
     plain = statistics.median(r.verify for r in rounds if r.gamma == 0)
-    widths = [plain]
+    widths = {1: plain}
     for g in range(1, gamma_max + 1):
-        paired = [c[g] - c[0] for c in cycles.values() if g in c and 0 in c]
-        widths.append(plain + statistics.median(paired))
+        paired = [v - statistics.mean(c[0]) for c in cycles.values() if c[0] for v in c[g]]
+        if paired:
+            widths[g + 1] = plain + statistics.median(paired)
+    if len(widths) < 2:
+        raise ValueError("measure_costs: the proposer verified no draft slot in any timed round")
     drafting = {}
     for g in range(1, gamma_max + 1):
         times = [r.draft for r in rounds if r.gamma == g and not r.catch_up]
@@ -143,9 +160,10 @@ def fit(rounds: Sequence[Round], gamma_max: int) -> tuple[dict[int, float], floa
     return verify_of(widths), step, max(mean_d - step * mean_g, 0.0)
 
 
-def verify_of(widths: Sequence[float]) -> dict[int, float]:
-    """{width: seconds} from the times of widths 1, 2, ..., made nondecreasing."""
-    return dict(enumerate(nondecreasing(widths), start=1))
+def verify_of(widths: dict[int, float]) -> dict[int, float]:
+    """{width: seconds}, made nondecreasing in the width."""
+    order = sorted(widths)
+    return dict(zip(order, nondecreasing([widths[w] for w in order])))
 
 
 def _rows(prompts: Sequence[Sequence[int]], batch: int, j: int) -> list[list[int]]:

@@ -91,3 +91,29 @@ def test_the_fit_pairs_each_wider_pass_with_the_plain_round_of_its_cycle():
     assert verify == pytest.approx({1: 0.060, 2: 0.062, 3: 0.067}, abs=1e-12)
     # drafting: γ = 1 -> 4 ms (3 and 5; with the catch-up, 5), γ = 2 -> 5 ms
     assert round_ == pytest.approx(0.004, abs=1e-12) and step == pytest.approx(0.001, abs=1e-12)
+
+
+def test_a_proposer_that_drafts_fewer_than_asked_is_timed_at_the_width_it_verified(tiny64):
+    """A family's proposer may draft without asking the schedule whether to (no `worth_drafting`), and fewer slots
+    than the round's length: the round's length is then set when it begins drafting, and the round is timed at the
+    width it verified (here one slot at most: widths 1 and 2 only, the rounds of length 0 plain ones)."""
+
+    class OneSlot(Eagle3Proposer):
+        def _skip_round(self, active, params):
+            return False
+
+        def propose(self, histories, active, k, params, generators):
+            return super().propose(histories, active, min(k, 1), params, generators)
+
+    drafter = _eagle3(tiny64)
+    runner = HFTarget(tiny64, drafter.config.aux_layer_ids)
+    widths, step = [], runner.step
+
+    def counted(tokens, *a, **k):
+        widths.append(tokens.shape[1])
+        return step(tokens, *a, **k)
+
+    runner.step = counted  # type: ignore[method-assign]
+    table = measure_costs(runner, OneSlot(drafter), [[5, 17, 33, 9], [7, 3]], [1], 3, rounds=4, repeats=2)
+    assert sorted(table.verify[1]) == [1, 2] and table.verify[1][2] >= table.verify[1][1]
+    assert set(widths) == {1, 2} and widths[4:].count(1) == 8  # one round in four a plain one
