@@ -2,7 +2,8 @@
 
 For each batch size, the engine decodes a batch of real prompts greedily while the chain lengths γ = 0 (a plain
 target step) ... γmax take turns round by round: each cycle of γmax + 1 rounds runs every length once, in a fresh
-shuffled order, and every row drafts and verifies exactly that many slots (`Rotation`). Its own timers give each
+shuffled order, and every row drafts and verifies that many slots (`Rotation`; a proposer that drafts fewer is
+timed at the width it verified). Its own timers give each
 round's verification time (one target pass `γ + 1` slots wide, with the acceptance rule) and drafting time.
 Decodes last `rounds` rounds (the context lengths of the rounds the table prices), each on the next of the prompts
 given (the eval's: what a wider pass adds includes attention over the whole context, and the demo's prompts run
@@ -12,9 +13,9 @@ A pass `γ + 1` wide is priced as the plain pass (the median over its rounds) pl
 difference to the plain round of the same cycle. The pair is at most γmax rounds apart, so a drift of the machine's
 speed (a neighbour on a shared CPU, a clock change), which is slow next to a round but not next to a whole decode,
 reaches both alike; the shuffled order makes what is left of it fall either way. (Whole decodes of each length timed
-one after another, the method before, put a second slot of a 53 ms pass at +0 ms where rounds paired this way
-measured +4.6 ms: the scheduler then drafted coding prompts at a first-slot acceptance of 14% against a real
-break-even of 19%.) The widths are then made nondecreasing. Drafting time per round is fitted as
+one after another, the method before, put a second slot of a 53 ms pass at +0 ms where the schedule's own plain and
+wider rounds, timed a round apart during the eval, measured +4.6 ms: it then drafted coding prompts at a first-slot
+acceptance of 14% against a real break-even of 19%.) The widths are then made nondecreasing. Drafting time per round is fitted as
 `round + (γ − 1) · step` (least squares over γ = 1 ... γmax, the median round of each, leaving out the rounds that
 catch up on a skipped round or a prompt): `round` is what a round costs whatever it drafts (the drafter's update
 with the verified tokens and its first position or block), `step` each further position. Timing through `decode`
