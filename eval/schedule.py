@@ -34,7 +34,8 @@ confidence is at least the admission's own. Each row's own level within its deco
 The table is measured once, in a minute of the machine's life, and a 2-core machine shared with others is not the
 same machine a minute later (on one AMD EPYC the same plain batch-4 pass was timed at 57, 76 and 82 ms in three
 tables of one day). So every round the engine's own timers report what the round cost (`timed`), and the schedule
-corrects the table with it, per batch size: a plain pass, a wider pass and a draft round each get the mean of
+corrects the table with it, per batch size: a plain pass, a wider pass, a draft round of one depth and each further
+depth (from the rounds that drafted deeper, beyond a round of one depth: `step_time`) each get the mean of
 (measured − table) over the rounds seen (a pass clipped to half or twice the table: a stall of the machine is not
 its speed; a draft round that catches up on a prompt or on skipped rounds timed apart: it sets how long a probe
 waits, not what a stretch of drafting costs), shrunk toward 0 by `cost_prior` rounds (a wider pass shrunk toward the
@@ -229,8 +230,8 @@ class CostSchedule:
     @staticmethod
     def _learned() -> dict[str, Any]:
         """What a schedule learns from the rounds it decides, before any: the backoff; per batch size, (sum of
-        measured − table, rounds) of plain passes, wider passes, the increment of neighbouring ones, draft rounds and
-        catch-ups, the plain rounds taken in place of drafted ones to time it (`checks`), the rounds that asked a
+        measured − table, rounds) of plain passes, wider passes, the increment of neighbouring ones, draft rounds of
+        one depth, the further depths of deeper ones (per depth) and catch-ups, the plain rounds taken in place of drafted ones to time it (`checks`), the rounds that asked a
         drafter that did not pay again (`probes`), the slots verified only to time a wider pass (`explores`) and the
         last pass timed (`previous`: plain/wide, excess); and the online calibration, per depth i: the predicted
         survival Σ c_0...c_i of the slots verified so far, how many of them were accepted and how many verified, and
@@ -364,7 +365,7 @@ class CostSchedule:
         seen = self.excess.get(batch)
         if not self.learn_costs or seen is None:
             return False
-        plain, drafted = seen["plain"][1], seen["draft"][1]
+        plain, drafted = seen["plain"][1], seen["draft"][1] + seen["step"][1]
         return plain < min(self.check_rounds, drafted // self.check_every)
 
     def _shrunk(self, batch: int, kind: str, toward: float = 0.0) -> float:
@@ -409,11 +410,25 @@ class CostSchedule:
         return max(diff / (n + self.cost_prior), -table)
 
     def round_time(self, batch: int) -> float:
-        """The table's draft round corrected by the measured ones that followed a drafted round (the update with the
-        last round's verified tokens and the drafter's bookkeeping): what each round of a stretch of drafting costs.
+        """The table's draft round corrected by the measured rounds of one depth that followed a drafted round (the
+        update with the last round's verified tokens, the first depth and the drafter's bookkeeping): what each round
+        of a stretch of drafting costs (deeper rounds correct `step_time`).
         A catch-up is timed apart (`probe_time`): counted here, one probe's catch-up over the prompts of 64 rows and
         the rounds skipped (+415 ms on a 13 ms round, on an AMX Xeon) made every later round look 10x dearer to draft."""
         return max(self.costs.round_time(batch) + self._shrunk(batch, "draft"), 0.0)
+
+    def step_time(self, batch: int) -> float:
+        """The table's draft step corrected by the measured rounds that drafted deeper than one depth: per further
+        depth, what such a round took beyond a round of one depth (`round_time`), shrunk toward 0 by `cost_prior`
+        rounds. Timed apart from the draft round because the table's step is a least-squares slope over rounds of 1 to
+        γmax depths, and the first further depth costs more than the slope: on an AMX Xeon, EAGLE-3's first step took
+        2.6 ms after its update and the fourth 1.9 (the drafter's weights, evicted by the target's pass, are read back
+        from memory by the first ones), against a slope of 2.3 ms, and in eval, with admission's own work, a round of
+        two depths took 3.3 ms more than one of one depth. Lumped into the draft round, that excess made drafting at all
+        look dearer while a second slot still looked as cheap as the table said: the schedule verified a second slot in
+        about half of its rounds at a 4-10% survival that did not pay for it, and lost 1.3% against drafting one slot
+        every round (docs/benchmarks.md)."""
+        return max(self.costs.step_time(batch) + self._shrunk(batch, "step"), 0.0)
 
     def probe_time(self, batch: int) -> float:
         """What asking the drafter again after skipped rounds costs: the table's draft round corrected by the
@@ -444,6 +459,7 @@ class CostSchedule:
                 "wide": [0.0, 0.0],
                 "increment": [0.0, 0.0],
                 "draft": [0.0, 0.0],
+                "step": [0.0, 0.0],
                 "catch-up": [0.0, 0.0],
             },
         )
@@ -459,11 +475,18 @@ class CostSchedule:
             seen["increment"][0] += wide - plain
             seen["increment"][1] += 1
         self.previous[batch] = (kind, excess)
-        if steps >= 0:
-            predicted = self.costs.round_time(batch) + steps * self.costs.step_time(batch)
-            kind = "catch-up" if behind else "draft"
-            seen[kind][0] += draft_seconds - predicted  # not clipped: a catch-up over many skipped rounds is dear
-            seen[kind][1] += 1
+        if steps < 0:
+            return
+        table_step = self.costs.step_time(batch)
+        if behind:  # not clipped: a catch-up over many skipped rounds is dear
+            seen["catch-up"][0] += draft_seconds - self.costs.round_time(batch) - steps * table_step
+            seen["catch-up"][1] += 1
+        elif steps == 0:  # a round of one depth: what drafting at all costs
+            seen["draft"][0] += draft_seconds - self.costs.round_time(batch)
+            seen["draft"][1] += 1
+        else:  # deeper: what it took beyond a round of one depth (as corrected so far), per further depth
+            seen["step"][0] += (draft_seconds - self.round_time(batch) - steps * table_step) / steps
+            seen["step"][1] += 1
 
     def corrections(self) -> dict[int, dict[str, dict[str, float]]]:
         """What the rounds timed so far said the table missed, over every sampling regime (`regime`): per batch size
@@ -488,7 +511,7 @@ class CostSchedule:
 
     def _cost(self, width: int, steps: int) -> float:
         b = self.batch
-        return self.round_time(b) + steps * self.costs.step_time(b) + self.verify_time(width, b)
+        return self.round_time(b) + steps * self.step_time(b) + self.verify_time(width, b)
 
     def admit(self, i: int, conf: torch.Tensor, survival: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
         """The rows that draft slot i, from their confidences `conf` [B] of slot i (read before x_i is drawn) and

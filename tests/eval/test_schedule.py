@@ -215,6 +215,34 @@ def test_a_catch_up_sets_how_long_a_probe_waits_not_what_drafting_costs():
     assert waits.index(True) == math.ceil(s.probe_time(1) / (s.probe_share * s.verify_time(1, 1))) >= 14
 
 
+def test_deeper_drafts_dearer_than_the_table_stop_being_admitted():
+    """The table says a draft round costs 0.1 and each further depth 0.05, so a second slot surviving at 0.25 pays
+    ((1.5 + 0.25) / (0.1 + 0.05 + 1.10) = 1.40 against 1.5 / 1.15 = 1.30 with one slot). Each further depth takes
+    0.35: after one such round (a step +0.3 over the table, shrunk by 2 rounds to +0.1) the second slot no longer pays,
+    and the rounds of one depth, timed as the table says, leave the draft round as it was. With that excess put on the
+    draft round instead (the mutation: what the schedule did before), a round of two depths looks as dear as it is but
+    the second slot looks as cheap as ever, and it is verified in every round."""
+    table = CostTable(verify={1: {1: 1.0, 2: 1.05, 3: 1.10}}, draft_step={1: 0.05}, draft_round={1: 0.1})
+    s = CostSchedule(table)
+    on, half, one = torch.tensor([True]), torch.tensor([0.5], dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    depths = []
+    for _ in range(6):
+        if not s.worth_drafting(half, on):  # a plain round, to time the plain pass (the mutation's margin is thin)
+            s.timed(1.0, 0.0)
+            depths.append(0)
+            continue
+        s.begin(on)
+        n = int(s.admit(0, half, one, on).sum())
+        if n and not s.halted:
+            n += int(s.admit(1, half, half, on).sum())
+        depths.append(n)
+        s.timed(table.verify_time(n + 1, 1), 0.1 + 0.35 * (n - 1))
+    assert depths == [2, 1, 1, 1, 1, 1]
+    assert s.step_time(1) == pytest.approx(0.05 + 0.3 / 3) and s.round_time(1) == pytest.approx(0.1)
+    said = s.corrections()[1]
+    assert said["step"] == {"excess_s": pytest.approx(0.3), "rounds": 1} and said["draft"]["rounds"] == 5
+
+
 def test_a_new_decode_forgets_a_catch_up_that_was_never_timed():
     """A proposer driven outside the engine may say a round catches up and never report its time: the next decode's
     first timed round is then a plain draft round, not a catch-up (reset clears the flag)."""
@@ -375,7 +403,7 @@ def test_the_engine_reports_every_round_to_the_schedule(tiny64, family):
     seen = proposer.schedule.excess[1]
     drafted = [d for d, _ in res[0].rounds]
     assert seen["plain"][1] == sum(d == 0 for d in drafted) and seen["wide"][1] == sum(d > 0 for d in drafted)
-    assert seen["draft"][1] + seen["catch-up"][1] >= seen["wide"][1] > 0
+    assert seen["draft"][1] + seen["step"][1] + seen["catch-up"][1] >= seen["wide"][1] > 0
     # the first drafted round ran the drafter over the prompt: a catch-up, timed apart from the rounds that follow
     assert seen["catch-up"][1] >= 1
 
