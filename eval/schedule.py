@@ -231,13 +231,13 @@ class CostSchedule:
     def _learned() -> dict[str, Any]:
         """What a schedule learns from the rounds it decides, before any: the backoff; per batch size, (sum of
         measured − table, rounds) of plain passes, wider passes, the increment of neighbouring ones, draft rounds of
-        one depth, the further depths of deeper ones (per depth) and catch-ups, the plain rounds taken in place of drafted ones to time it (`checks`), the rounds that asked a
-        drafter that did not pay again (`probes`), the slots verified only to time a wider pass (`explores`) and the
-        last pass timed (`previous`: plain/wide, excess); and the online calibration, per depth i: the predicted
-        survival Σ c_0...c_i of the slots verified so far, how many of them were accepted and how many verified, and
-        (Σ confidence, count) of the first slots admission turned down (`declined`, for `first_slot_rate`)
-        (kept across decodes, fading over `memory_rounds` rounds: only rounds already verified count, never this
-        one's)."""
+        one depth, the further depths of deeper ones (per depth) and catch-ups, the plain rounds taken in place of
+        drafted ones to time it (`checks`), the rounds that asked a drafter that did not pay again (`probes`), the
+        slots verified only to time a wider pass (`explores`) and the last pass timed (`previous`: plain/wide,
+        excess); and the online calibration, per depth i: the predicted survival Σ c_0...c_i of the slots verified so
+        far, how many of them were accepted and how many verified, and (Σ confidence, count) of the first slots
+        admission turned down (`declined`, for `first_slot_rate`) (kept across decodes, fading over `memory_rounds`
+        rounds: only rounds already verified count, never this one's)."""
         return {
             "backoff": 1,
             "excess": {},
@@ -425,9 +425,10 @@ class CostSchedule:
         2.6 ms after its update and the fourth 1.9 (the drafter's weights, evicted by the target's pass, are read back
         from memory by the first ones), against a slope of 2.3 ms, and in eval, with admission's own work, a round of
         two depths took 3.3 ms more than one of one depth. Lumped into the draft round, that excess made drafting at all
-        look dearer while a second slot still looked as cheap as the table said: the schedule verified a second slot in
-        about half of its rounds at a 4-10% survival that did not pay for it, and lost 1.3% against drafting one slot
-        every round (docs/benchmarks.md)."""
+        look dearer while a second slot still looked as cheap as the table said. EAGLE-3 at T = 0 then verified a
+        second slot in 346 of 932 rounds, at a survival near a tenth or less, which did not pay for it: 1.036x of plain
+        decoding where one slot every round ran at 1.052x, and 1.046x with the step priced apart; at T = 1 the dearer
+        rounds stopped it drafting in 63% of its rounds, 0.992x against 1.022x (docs/benchmarks.md)."""
         return max(self.costs.step_time(batch) + self._shrunk(batch, "step"), 0.0)
 
     def probe_time(self, batch: int) -> float:
