@@ -215,19 +215,17 @@ def test_a_catch_up_sets_how_long_a_probe_waits_not_what_drafting_costs():
     assert waits.index(True) == math.ceil(s.probe_time(1) / (s.probe_share * s.verify_time(1, 1))) >= 14
 
 
-def test_deeper_drafts_dearer_than_the_table_stop_being_admitted():
-    """The table says a draft round costs 0.1 and each further depth 0.05, so a second slot surviving at 0.25 pays
-    ((1.5 + 0.25) / (0.1 + 0.05 + 1.10) = 1.40 against 1.5 / 1.15 = 1.30 with one slot). Each further depth takes
-    0.35: after one such round (a step +0.3 over the table, shrunk by 2 rounds to +0.1) the second slot no longer pays,
-    and the rounds of one depth, timed as the table says, leave the draft round as it was. With that excess put on the
-    draft round instead (the mutation: what the schedule did before), a round of two depths looks as dear as it is but
-    the second slot looks as cheap as ever, and it is verified in every round."""
-    table = CostTable(verify={1: {1: 1.0, 2: 1.05, 3: 1.10}}, draft_step={1: 0.05}, draft_round={1: 0.1})
-    s = CostSchedule(table)
+DEEP_TABLE = CostTable(verify={1: {1: 1.0, 2: 1.05, 3: 1.10}}, draft_step={1: 0.05}, draft_round={1: 0.1})
+
+
+def deeper_rounds(s: CostSchedule, rounds: int = 6) -> list[int]:
+    """`rounds` rounds on `DEEP_TABLE` with both slots at 0.5 confidence, where a round of one depth takes the table's
+    0.1 to draft and each further depth 0.35 (the table says 0.05); passes as the table says. Returns the slots each
+    round verified (0: a plain round, taken to time the plain pass)."""
     on, half, one = torch.tensor([True]), torch.tensor([0.5], dtype=torch.float64), torch.ones(1, dtype=torch.float64)
     depths = []
-    for _ in range(6):
-        if not s.worth_drafting(half, on):  # a plain round, to time the plain pass (the mutation's margin is thin)
+    for _ in range(rounds):
+        if not s.worth_drafting(half, on):
             s.timed(1.0, 0.0)
             depths.append(0)
             continue
@@ -236,8 +234,19 @@ def test_deeper_drafts_dearer_than_the_table_stop_being_admitted():
         if n and not s.halted:
             n += int(s.admit(1, half, half, on).sum())
         depths.append(n)
-        s.timed(table.verify_time(n + 1, 1), 0.1 + 0.35 * (n - 1))
-    assert depths == [2, 1, 1, 1, 1, 1]
+        s.timed(DEEP_TABLE.verify_time(n + 1, 1), 0.1 + 0.35 * (n - 1))
+    return depths
+
+
+def test_deeper_drafts_dearer_than_the_table_stop_being_admitted():
+    """The table says a draft round costs 0.1 and each further depth 0.05, so a second slot surviving at 0.25 pays
+    ((1.5 + 0.25) / (0.1 + 0.05 + 1.10) = 1.40 against 1.5 / 1.15 = 1.30 with one slot). Each further depth takes
+    0.35: after one such round (a step +0.3 over the table, shrunk by 2 rounds to +0.1) the second slot no longer pays,
+    and the rounds of one depth, timed as the table says, leave the draft round as it was. With that excess put on the
+    draft round instead (the mutation: what the schedule did before), a round of two depths looks as dear as it is but
+    the second slot looks as cheap as ever, and it is verified in every round."""
+    s = CostSchedule(DEEP_TABLE)
+    assert deeper_rounds(s) == [2, 1, 1, 1, 1, 1]
     assert s.step_time(1) == pytest.approx(0.05 + 0.3 / 3) and s.round_time(1) == pytest.approx(0.1)
     said = s.corrections()[1]
     assert said["step"] == {"excess_s": pytest.approx(0.3), "rounds": 1} and said["draft"]["rounds"] == 5
