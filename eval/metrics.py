@@ -47,26 +47,51 @@ def acceptance_stats(results: Sequence[DecodeResult], gamma: int) -> dict[str, A
     return out
 
 
+def _mean_ranks(values: Sequence[float]) -> list[float]:
+    """The 1-based rank of each value in ascending order, tied values sharing the mean of their ranks."""
+    order = sorted(range(len(values)), key=lambda k: values[k])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j < len(order) and values[order[j]] == values[order[i]]:
+            j += 1
+        for k in order[i:j]:
+            ranks[k] = (i + 1 + j) / 2
+        i = j
+    return ranks
+
+
 def ranking_auc(pairs: Sequence[tuple[float, float]]) -> float | None:
     """How well confidences rank outcomes: the chance that an accepted position's confidence is above a rejected
     one's (ties count half), over (confidence, accepted 0/1) pairs; 0.5 is no better than chance. None without both
     outcomes. Calibration (ECE) says whether a confidence means what it says on the mean; this says whether it tells
     one slot from another, which is what choosing slots needs (a head calibrated on the mean can rank no better than
     chance). The Mann-Whitney count over ranks, written out: O(n log n)."""
-    ordered = sorted(pairs, key=lambda p: p[0])
-    positives = sum(1 for _, y in ordered if y > 0.5)
-    negatives = len(ordered) - positives
+    positives = sum(1 for _, y in pairs if y > 0.5)
+    negatives = len(pairs) - positives
     if not positives or not negatives:
         return None
-    rank_sum, i = 0.0, 0
-    while i < len(ordered):  # tied confidences share the mean of their ranks
-        j = i
-        while j < len(ordered) and ordered[j][0] == ordered[i][0]:
-            j += 1
-        mean_rank = (i + 1 + j) / 2
-        rank_sum += mean_rank * sum(1 for _, y in ordered[i:j] if y > 0.5)
-        i = j
+    ranks = _mean_ranks([c for c, _ in pairs])
+    rank_sum = sum(r for r, (_, y) in zip(ranks, pairs) if y > 0.5)
     return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+
+
+def rank_correlation(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of paired values (ties share their mean rank): +1 when ys rise with xs, 0 when
+    the order of one says nothing of the other. None with fewer than 3 pairs or a constant side. Written out (scipy
+    is not a dependency)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"rank_correlation: {len(xs)} values against {len(ys)}")
+    if len(xs) < 3:
+        return None
+    rx, ry = _mean_ranks(xs), _mean_ranks(ys)
+    mean = (len(xs) + 1) / 2
+    cov = sum((a - mean) * (b - mean) for a, b in zip(rx, ry))
+    vx, vy = sum((a - mean) ** 2 for a in rx), sum((b - mean) ** 2 for b in ry)
+    if not vx or not vy:
+        return None
+    return cov / (vx * vy) ** 0.5
 
 
 def calibration(results: Sequence[DecodeResult], bins: int = 10) -> dict[str, Any] | None:

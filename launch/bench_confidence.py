@@ -13,7 +13,10 @@ launch/replay_schedule.py, with each slot's chance of acceptance at T = 1 on the
 scores a round knows before it drafts (one round old, or the target's own) say whether a schedule could skip the draft
 round where its slot would fail; on the demo's drafter (AMD EPYC, bf16) all ranked at chance (AUC 0.49-0.55), against
 0.72 for the slot's own top-1. Eval reports the head's AUC over the slots a schedule verified; this one scores every
-slot, so a schedule's choices do not select what is measured.
+slot, so a schedule's choices do not select what is measured. Per prompt, it also scores what the prompt's own text
+says before decoding (`PROMPT_SCORES`) and prints their rank correlation with the share of the answer's first slots
+accepted: a prompt-level estimate would let a schedule skip a weak prompt from its first round. On the demo's drafter
+(an AMX Xeon, bf16, 45 prompts) both were near zero (docs/benchmarks.md, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -28,6 +31,21 @@ SCORES = ("head", "top1", "target_top1", "last_head", "last_top1", "last_accepte
 the drafter has run), and what a round knows before it drafts: the target's top-1 probability for the token just
 committed, the last slot's head, top-1 probability and fate, and an exponential mean of the decode's earlier fates."""
 BEFORE = SCORES[2:]
+PROMPT_SCORES = ("prompt_agreement", "prompt_head")
+"""What a prompt's own text says of the drafter's level on it, before its answer is decoded: over the prompt's entries
+(the chat template left out), the share whose drafted token is the target's own top token at the prefill (a first
+slot's T = 0 acceptance, teacher-forced on the prompt), and the mean calibrated head."""
+
+
+def _template_ends(prompts: list[list[int]]) -> tuple[int, int]:
+    """(tokens every prompt starts with, tokens every prompt ends with): the chat template's system turn and generation
+    prompt, left out of a prompt's own text."""
+    first, shortest = prompts[0], min(len(p) for p in prompts)
+    head = next((i for i in range(shortest) if any(p[i] != first[i] for p in prompts)), shortest)
+    tail = next(
+        (i for i in range(shortest - head) if any(p[-1 - i] != first[-1 - i] for p in prompts)), shortest - head
+    )
+    return head, tail
 
 
 def main() -> None:
@@ -44,7 +62,7 @@ def main() -> None:
 
     from draftsmith.drafters.vocab import draft_to_target_ids
     from draftsmith.eval.engine import decode
-    from draftsmith.eval.metrics import ranking_auc
+    from draftsmith.eval.metrics import rank_correlation, ranking_auc
     from draftsmith.eval.proposers import NoDraft
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams
@@ -64,7 +82,10 @@ def main() -> None:
     plain = HFTarget(model, [], tok.pad_token_id or 0)
     hooked = HFTarget(model, drafter.config.aux_layer_ids, tok.pad_token_id or 0)
     slots: list[dict] = []  # per first slot: its domain, whether it was accepted, and each score (None: none yet)
-    for index, prompt in enumerate(tqdm(eval_prompts(cfg, tok), desc="prompts", unit="prompt")):
+    prompts = eval_prompts(cfg, tok)
+    template = _template_ends([p["ids"] for p in prompts])
+    levels: list[dict] = []  # per prompt: what its own text says before decoding, and its answer's acceptance
+    for index, prompt in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
         [res] = decode(plain, NoDraft(), [prompt["ids"]], SamplingParams(temperature=0.0), 1, args.max_new_tokens)
         seq = list(prompt["ids"]) + res.tokens
         with torch.no_grad():
@@ -105,6 +126,18 @@ def main() -> None:
                 }
             )
             recent = hit[t] if recent is None else 0.7 * recent + 0.3 * hit[t]
+        # the entries whose drafted token (t + 2) is the prompt's own text, template left out: known at the prefill
+        lo, hi = max(template[0] - 2, 0), len(prompt["ids"]) - template[1] - 2
+        agree = (ids[top.indices[lo:hi]] == target_logits[0, lo + 1 : hi + 1].argmax(-1)).float()
+        levels.append(
+            {
+                "domain": prompt["domain"],
+                "prompt": index,
+                "answer_accepted": sum(hit[first : n - 2]) / max(n - 2 - first, 1),
+                "prompt_agreement": float(agree.mean()) if hi > lo else None,
+                "prompt_head": sum(head[lo:hi]) / (hi - lo) if hi > lo else None,
+            }
+        )
 
     def summary(rows: list[dict]) -> dict:
         out: dict = {"slots": len(rows), "accepted": sum(r["accepted"] for r in rows) / max(len(rows), 1)}
@@ -124,6 +157,11 @@ def main() -> None:
         "all": summary(slots),
         "domains": {d: summary(rows) for d, rows in by_domain.items()},
         "slots": slots,  # every first slot in decoding order per prompt (launch/replay_schedule.py replays them)
+        "prompts": levels,
+    }
+    scored = {k: [x for x in levels if x[k] is not None] for k in PROMPT_SCORES}
+    result["prompt_level"] = {
+        k: rank_correlation([x[k] for x in rows], [x["answer_accepted"] for x in rows]) for k, rows in scored.items()
     }
 
     def fmt(x: float | None) -> str:
@@ -148,6 +186,13 @@ def main() -> None:
     print("|---|" + "---|" * len(BEFORE))
     for name, s in [*sorted(result["domains"].items()), ("**all**", result["all"])]:
         print(f"| {name} | " + " | ".join(fmt(s[f"auc_{k}"]) for k in BEFORE) + " |")
+    print(
+        f"\nPer prompt ({len(levels)}): rank correlation of what its own text says, before decoding, with the share of "
+        "its answer's first slots accepted"
+    )
+    print("| score | Spearman |\n|---|---|")
+    for k, r in result["prompt_level"].items():
+        print(f"| {k} | {fmt(r)} |")
     out = args.out or cfg.run_path / "bench_confidence"
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_confidence.json").write_text(json.dumps(result, indent=2))
