@@ -16,7 +16,7 @@ round where its slot would fail; on the demo's drafter (AMD EPYC, bf16) all rank
 slot, so a schedule's choices do not select what is measured. Per prompt, it also scores what the prompt's own text
 says before decoding (`PROMPT_SCORES`) and prints their rank correlation with the share of the answer's first slots
 accepted: a prompt-level estimate would let a schedule skip a weak prompt from its first round. On the demo's drafter
-(an AMX Xeon, bf16, 45 prompts) both were near zero (docs/benchmarks.md, 2026-12-06).
+(an AMX Xeon, bf16, 45 prompts) neither ranked them: 0.04 and 0.21 (docs/benchmarks.md, 2026-12-06).
 """
 
 from __future__ import annotations
