@@ -212,6 +212,23 @@ def measure_costs(
     return CostTable(verify, draft_step, draft_round, key or {})
 
 
+def cost_key(target, drafter: str, batches: Sequence[int], gamma: int, rounds: int, **more: str) -> dict[str, Any]:
+    """What a cost table is cached under (`cached_costs`): the target (`pipeline.target.Target`: its identity, dtype
+    and device), the drafter (`drafter`: eval gives its config, a bench its family), the batch sizes and chain length
+    measured and the rounds per timed decode, and anything `more` the caller measures apart (a bench names its run).
+    Written once: eval and the benches that reuse its tables build the same key."""
+    return {
+        "target": json.dumps(target.identity, sort_keys=True),
+        "dtype": str(target.model.dtype),
+        "device": str(target.device),
+        "drafter": drafter,
+        "batches": list(batches),
+        "gamma": gamma,
+        "rounds": rounds,
+        **more,
+    }
+
+
 def cached_costs(cache_dir: Path, key: dict[str, Any], measure) -> tuple[CostTable, bool]:
     """The table cached under `key` in `cache_dir`, else `measure()` saved there. Returns (table, from cache)."""
     key = {**key, "method": METHOD}

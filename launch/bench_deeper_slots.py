@@ -55,7 +55,7 @@ def main() -> None:
 
     import torch
 
-    from draftsmith.eval.costs import cached_costs, measure_costs
+    from draftsmith.eval.costs import cached_costs, cost_key, measure_costs
     from draftsmith.eval.engine import decoding, interleave
     from draftsmith.eval.proposers import NoDraft
     from draftsmith.eval.runner import HFTarget
@@ -88,16 +88,8 @@ def main() -> None:
             proposer.schedule = proposer.cost_schedule = LumpedSchedule(table)
         return runner, proposer, gamma
 
-    key = {  # launch/bench_schedule.py's key: the table it measured for this run is reused
-        "target": json.dumps(target.identity, sort_keys=True),
-        "dtype": str(model.dtype),
-        "device": str(target.device),
-        "drafter": args.drafter,
-        "batches": [1],
-        "gamma": gamma,
-        "rounds": cfg.eval.cost_rounds,
-        "run": str(cfg.run_path),
-    }
+    # launch/bench_schedule.py's key: the table it measured for this run is reused
+    key = cost_key(target, args.drafter, [1], gamma, cfg.eval.cost_rounds, run=str(cfg.run_path))
     runner, proposer, _ = configuration("one slot")
     table, cached = cached_costs(
         cache_root() / "costs",

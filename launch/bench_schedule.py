@@ -57,7 +57,7 @@ def main() -> None:
     from tqdm import tqdm
 
     from draftsmith.data.chat import stop_token_ids
-    from draftsmith.eval.costs import cached_costs, measure_costs
+    from draftsmith.eval.costs import cached_costs, cost_key, measure_costs
     from draftsmith.eval.curve import MIN_ROWS, batch_curve, curve_points
     from draftsmith.eval.proposers import NoDraft
     from draftsmith.eval.report import cost_tables_markdown, curve_plot, curve_table
@@ -111,16 +111,7 @@ def main() -> None:
     rows = [p["ids"] for p in prompts]
     cached: dict[str, bool] = {}
     for family in families:
-        key = {
-            "target": json.dumps(target.identity, sort_keys=True),
-            "dtype": str(model.dtype),
-            "device": str(target.device),
-            "drafter": family,
-            "batches": sizes,
-            "gamma": gamma,
-            "rounds": cfg.eval.cost_rounds,
-            "run": str(cfg.run_path),
-        }
+        key = cost_key(target, family, sizes, gamma, cfg.eval.cost_rounds, run=str(cfg.run_path))
         measure = lambda f=family: measure_costs(  # noqa: E731
             decoder.runners[f], proposers[f], rows, sizes, decoder.gammas[f], cfg.eval.cost_rounds
         )

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from draftsmith.data.artifacts import atomic_write_text, write_manifest
 from draftsmith.data.chat import prompt_ids, stop_token_ids
 from draftsmith.data.sources import iter_conversations
-from draftsmith.eval.costs import cached_costs, measure_costs
+from draftsmith.eval.costs import cached_costs, cost_key, measure_costs
 from draftsmith.eval.curve import MIN_ROWS, batch_curve, curve_points
 from draftsmith.eval.engine import TreeSpec, decoding, finish, interleave
 from draftsmith.eval.metrics import acceptance_stats, calibration, first_difference_margin, speedup_interval
@@ -192,15 +192,8 @@ def _schedules(cfg: RunConfig, decoder: Decoder, target, drafter_info, prompts) 
         if not isinstance(proposer, TrainedProposer):
             continue
         if mode == "cost" or e.batch_curve:
-            key = {
-                "target": json.dumps(target.identity, sort_keys=True),
-                "dtype": str(target.model.dtype),
-                "device": str(target.device),
-                "drafter": json.dumps(drafter_info.get(name, {}).get("config"), sort_keys=True),
-                "batches": batches,
-                "gamma": decoder.gammas[name],
-                "rounds": e.cost_rounds,
-            }
+            config = json.dumps(drafter_info.get(name, {}).get("config"), sort_keys=True)
+            key = cost_key(target, config, batches, decoder.gammas[name], e.cost_rounds)
 
             def measure(name=name, proposer=proposer):
                 log.info("eval: measuring the cost table of %s (batch sizes %s)", name, batches)

@@ -117,3 +117,35 @@ def test_a_proposer_that_drafts_fewer_than_asked_is_timed_at_the_width_it_verifi
     table = measure_costs(runner, OneSlot(drafter), [[5, 17, 33, 9], [7, 3]], [1], 3, rounds=4, repeats=2)
     assert sorted(table.verify[1]) == [1, 2] and table.verify[1][2] >= table.verify[1][1]
     assert set(widths) == {1, 2} and widths[4:].count(1) == 8  # one round in four a plain one
+
+
+def test_a_table_is_measured_once_per_key_and_the_benches_key_apart_from_eval(tmp_path):
+    """`cost_key` is the one key eval and the benches cache tables under: the same key reuses the table measured, and
+    another drafter, another chain length, or a bench's own run measures again."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from draftsmith.eval.costs import cached_costs, cost_key
+    from draftsmith.eval.schedule import CostTable
+
+    target = SimpleNamespace(identity={"name": "t"}, model=SimpleNamespace(dtype=torch.bfloat16), device="cpu")
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return CostTable({1: {1: 0.01 * len(measured)}})
+
+    key = cost_key(target, "eagle3", [1, 4], 5, 16)
+    assert key["dtype"] == "torch.bfloat16" and key["batches"] == [1, 4] and "run" not in key
+    first, cached = cached_costs(tmp_path, key, measure)
+    again, cached_again = cached_costs(tmp_path, cost_key(target, "eagle3", [1, 4], 5, 16), measure)
+    assert (cached, cached_again, len(measured)) == (False, True, 1)
+    assert again.verify == first.verify and again.key["drafter"] == "eagle3"
+    for other in (
+        cost_key(target, "dspark", [1, 4], 5, 16),
+        cost_key(target, "eagle3", [1, 4], 3, 16),
+        cost_key(target, "eagle3", [1, 4], 5, 16, run="runs/demo"),
+    ):
+        assert cached_costs(tmp_path, other, measure)[1] is False
+    assert len(measured) == 4
