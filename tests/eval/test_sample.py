@@ -6,6 +6,7 @@ generator it is given on that generator's device."""
 import pytest
 import torch
 
+from draftsmith.drafters.losses import inverse_cdf
 from draftsmith.eval import sampling
 from draftsmith.eval.sampling import make_generator, sample
 
@@ -59,9 +60,9 @@ def test_inverse_cdf_draws_every_row_at_its_own_uniform(test_device):
     uniform: the first token whose cumulative weight exceeds u times the row's total."""
     probs = torch.tensor([WEIGHTS, WEIGHTS[::-1], [1.0] * len(WEIGHTS)], device=test_device).view(3, 1, -1)
     u = torch.tensor([[0.05], [0.05], [0.999]], dtype=torch.float64, device=test_device)
-    got = sampling.inverse_cdf(probs, u)
+    got = inverse_cdf(probs, u)
     assert got.shape == (3, 1) and got.view(-1).tolist() == [1, 1, 6]
     # a weight-0 token is never drawn, at any of many uniforms
     many = torch.rand(4000, dtype=torch.float64, generator=make_generator(test_device, 0), device=test_device)
-    drawn = sampling.inverse_cdf(probs[0, 0].expand(4000, -1), many)
+    drawn = inverse_cdf(probs[0, 0].expand(4000, -1), many)
     assert not torch.isin(drawn, torch.tensor([0, 2, 6], device=test_device)).any()
