@@ -5,9 +5,12 @@ target step) ... γmax take turns round by round: each cycle of γmax + 1 rounds
 shuffled order, and every row drafts and verifies that many slots (`Rotation`; a proposer that drafts fewer is
 timed at the width it verified). Its own timers give each
 round's verification time (one target pass `γ + 1` slots wide, with the acceptance rule) and drafting time.
-Decodes last `rounds` rounds (the context lengths of the rounds the table prices), each on the next of the prompts
-given (the eval's: what a wider pass adds includes attention over the whole context, and the demo's prompts run
-from 44 to 233 tokens), until every length has `repeats * rounds` rounds.
+Decodes last about `rounds` rounds (the context lengths of the rounds the table prices), each on the next of the
+prompts given (the eval's: what a wider pass adds includes attention over the whole context, and the demo's prompts
+run from 44 to 233 tokens), until every length has about `repeats * rounds` rounds. Each decode is whole cycles, and
+starts a new one: a pair never spans two decodes, whose contexts differ by up to the prompts' spread (16 rounds
+over 6 lengths used to leave a third of the cycles across a decode's end, pairing a plain pass after one prompt with
+wider ones after the next).
 
 A pass `γ + 1` wide is priced as the plain pass (the median over its rounds) plus the median over the cycles of the
 difference to the plain round of the same cycle. The pair is at most γmax rounds apart, so a drift of the machine's
@@ -41,12 +44,13 @@ from draftsmith.eval.engine import decode
 from draftsmith.eval.sampling import SamplingParams
 from draftsmith.eval.schedule import CostTable
 
-METHOD = 7
+METHOD = 8
 """The version of how tables are measured, part of the cache key: a table measured another way is measured again
 (4: the CPU's few-row fp32 products of eval.cpu_linear, which make a wider pass much cheaper than tables measured
 before them say; 5: eval.cpu_attention, whose masked wider passes no longer copy a grouped-query target's cache;
 6: the chain lengths take turns round by round, each wider pass priced against the plain round of its cycle; 7: each
-timed decode on the next prompts, where 6 timed the first prompt only)."""
+timed decode on the next prompts, where 6 timed the first prompt only; 8: each timed decode whole cycles, where 7 let
+a cycle run on into the next decode)."""
 
 
 @dataclass
@@ -111,7 +115,9 @@ class Rotation:
         self.decided, self.depth, self.behind = False, 0, False
 
     def reset(self) -> None:
+        """A new decode: a new cycle (a wider pass is paired only with a plain one of its own decode)."""
         self.decided, self.depth, self.behind = False, 0, False
+        self.order = []
 
     def regime(self, sampling: Hashable) -> None: ...
 
@@ -191,8 +197,12 @@ def measure_costs(
     draft_step: dict[int, float] = {}
     draft_round: dict[int, float] = {}
     name = getattr(proposer, "name", "")
-    decodes = repeats * (gamma_max + 1)  # every length gets `repeats * rounds` rounds
-    room = (rounds + 1) * (gamma_max + 1)  # tokens: every draft accepted, and a stop after `rounds` however few are
+    # each decode whole cycles of the γmax + 1 lengths, and as many decodes as give every length `repeats * rounds`
+    # rounds (16 rounds over 6 lengths: 16 decodes of 3 cycles, 288 rounds, as 18 decodes of 16 rounds were)
+    cycles = -(-rounds // (gamma_max + 1))
+    per_decode = cycles * (gamma_max + 1)
+    decodes = -(-repeats * rounds // cycles)
+    room = (per_decode + 1) * (gamma_max + 1)  # tokens: every draft accepted; a decode stops after its rounds
     bar = tqdm(total=len(batches) * decodes, desc=f"cost table {name}".strip(), unit="decode")
     try:
         for batch in batches:
@@ -203,7 +213,7 @@ def measure_costs(
             rotation.rounds.clear()
             bar.set_postfix(batch=batch)
             for j in range(decodes):
-                decode(runner, proposer, _rows(prompts, batch, j), greedy, gamma_max, room, max_rounds=rounds)
+                decode(runner, proposer, _rows(prompts, batch, j), greedy, gamma_max, room, max_rounds=per_decode)
                 bar.update()
             verify[batch], draft_step[batch], draft_round[batch] = fit(rotation.rounds, gamma_max)
     finally:

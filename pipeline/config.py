@@ -436,10 +436,10 @@ class EvalConfig(Section):
     drafter's confidences and a cost table measured at the start of eval). `auto`: threshold when
     confidence_threshold is set, else cost."""
     cost_rounds: int = Field(16, ge=2)
-    """Rounds per timed decode when measuring the cost table (eval.costs: the chain lengths take turns round by round,
-    each timed decode on the next eval prompts, and each length gets three decodes' worth of rounds). A one-token pass
-    differs from a two-token one by a few percent at batch 1 on a CPU, so fewer rounds leave that difference, which
-    decides whether a first slot pays, inside the timing noise."""
+    """Rounds per timed decode when measuring the cost table, rounded up to whole cycles of the chain lengths
+    (eval.costs: the lengths take turns round by round, each timed decode on the next eval prompts, and each length
+    gets three decodes' worth of rounds). A one-token pass differs from a two-token one by a few percent at batch 1 on
+    a CPU, so fewer rounds leave that difference, which decides whether a first slot pays, inside the timing noise."""
     prompt_lookup_max_ngram: int = Field(3, ge=1)
     """Longest n-gram the prompt-lookup baseline matches."""
     seed: int = 0

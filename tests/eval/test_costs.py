@@ -149,3 +149,45 @@ def test_a_table_is_measured_once_per_key_and_the_benches_key_apart_from_eval(tm
     ):
         assert cached_costs(tmp_path, other, measure)[1] is False
     assert len(measured) == 4
+
+
+def test_every_timed_decode_is_whole_cycles_of_the_chain_lengths(tiny64):
+    """A wider pass is priced against the plain round of its cycle, so a cycle must not run on from one decode into
+    the next (another prompt, another context length): each timed decode starts a new cycle and runs whole ones. 5
+    rounds over 3 lengths become decodes of 6 rounds, each length twice in each, and as many decodes (5) as give
+    every length the 2 x 5 rounds asked for."""
+    drafter = _eagle3(tiny64)
+    runner = HFTarget(tiny64, drafter.config.aux_layer_ids)
+    decodes: list[list[int]] = []
+    step, prefill = runner.step, runner.prefill
+
+    def counted(tokens, *a, **k):
+        decodes[-1].append(tokens.shape[1])
+        return step(tokens, *a, **k)
+
+    def started(rows):
+        decodes.append([])
+        return prefill(rows)
+
+    runner.step, runner.prefill = counted, started  # type: ignore[method-assign]
+    measure_costs(runner, Eagle3Proposer(drafter), [[5, 17, 33, 9], [7, 3], [11]], [1], 2, rounds=5, repeats=2)
+    timed = decodes[1:]  # after the untimed warm-up
+    assert len(timed) == 5
+    assert all(sorted(d) == [1, 1, 2, 2, 3, 3] for d in timed), timed
+
+
+def test_a_new_decode_starts_a_new_cycle_of_the_rotation():
+    """A decode that ends mid-cycle (fewer rounds than asked) leaves the rest of its cycle behind: the next decode
+    starts a fresh one, every length in it."""
+    from draftsmith.eval.costs import Rotation
+
+    rotation = Rotation(2, seed=0)
+    rotation.worth_drafting(None, None)
+    rotation.timed(0.0, 0.0)
+    rotation.reset()
+    lengths = []
+    for _ in range(3):
+        rotation.worth_drafting(None, None)
+        lengths.append(rotation.gamma)
+        rotation.timed(0.0, 0.0)
+    assert sorted(lengths) == [0, 1, 2] and {r.cycle for r in rotation.rounds[1:]} == {1}
