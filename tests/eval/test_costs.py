@@ -3,12 +3,16 @@ does not bend the table."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from draftsmith.eval import engine
-from draftsmith.eval.costs import Round, fit, measure_costs
+from draftsmith.eval.costs import Rotation, Round, cached_costs, cost_key, fit, measure_costs
 from draftsmith.eval.proposers import Eagle3Proposer
 from draftsmith.eval.runner import HFTarget
+from draftsmith.eval.schedule import CostTable
 from tests.eval.test_exactness import _eagle3
 
 
@@ -122,13 +126,6 @@ def test_a_proposer_that_drafts_fewer_than_asked_is_timed_at_the_width_it_verifi
 def test_a_table_is_measured_once_per_key_and_the_benches_key_apart_from_eval(tmp_path):
     """`cost_key` is the one key eval and the benches cache tables under: the same key reuses the table measured, and
     another drafter, another chain length, or a bench's own run measures again."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from draftsmith.eval.costs import cached_costs, cost_key
-    from draftsmith.eval.schedule import CostTable
-
     target = SimpleNamespace(identity={"name": "t"}, model=SimpleNamespace(dtype=torch.bfloat16), device="cpu")
     measured = []
 
@@ -179,8 +176,6 @@ def test_every_timed_decode_is_whole_cycles_of_the_chain_lengths(tiny64):
 def test_a_new_decode_starts_a_new_cycle_of_the_rotation():
     """A decode that ends mid-cycle (fewer rounds than asked) leaves the rest of its cycle behind: the next decode
     starts a fresh one, every length in it."""
-    from draftsmith.eval.costs import Rotation
-
     rotation = Rotation(2, seed=0)
     rotation.worth_drafting(None, None)
     rotation.timed(0.0, 0.0)
