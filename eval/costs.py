@@ -32,7 +32,7 @@ import json
 import random
 import statistics
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,16 +222,28 @@ def measure_costs(
     return CostTable(verify, draft_step, draft_round, key or {})
 
 
-def cost_key(target, drafter: str, batches: Sequence[int], gamma: int, rounds: int, **more: str) -> dict[str, Any]:
+def cost_key(
+    target, drafter: Mapping[str, Any], batches: Sequence[int], gamma: int, rounds: int, **more: str
+) -> dict[str, Any]:
     """What a cost table is cached under (`cached_costs`): the target (`pipeline.target.Target`: its identity, dtype
-    and device), the drafter (`drafter`: eval gives its config, a bench its family), the batch sizes and chain length
-    measured and the rounds per timed decode, and anything `more` the caller measures apart (a bench names its run).
-    Written once: eval and the benches that reuse its tables build the same key."""
+    and device), the drafter's config (`drafter.config.to_dict()`: its family's fields and architecture, which is what
+    a table prices; two trainings of one architecture share a table), the batch sizes and chain length measured and
+    the rounds per timed decode, and anything `more` the caller measures apart (a bench names its run).
+    Written once: eval and the benches that reuse its tables build the same key.
+
+    The drafter is its config, never a family name: keyed by "dspark" and the run, a bench reused the table of the
+    two-layer drafter a run directory held before for the one-layer drafter trained there after (a 7.1 ms block
+    round priced where 4.2 ms was measured), and its schedule declined to draft."""
+    if not isinstance(drafter, Mapping):
+        raise TypeError(
+            f"cost_key takes the drafter's config (drafter.config.to_dict()), not {type(drafter).__name__} "
+            f"{drafter!r}: a table prices an architecture, and a family name does not say which"
+        )
     return {
         "target": json.dumps(target.identity, sort_keys=True),
         "dtype": str(target.model.dtype),
         "device": str(target.device),
-        "drafter": drafter,
+        "drafter": json.dumps(dict(drafter), sort_keys=True),
         "batches": list(batches),
         "gamma": gamma,
         "rounds": rounds,

@@ -89,7 +89,7 @@ def main() -> None:
         return runner, proposer, gamma
 
     # launch/bench_schedule.py's key: the table it measured for this run is reused
-    key = cost_key(target, args.drafter, [1], gamma, cfg.eval.cost_rounds, run=str(cfg.run_path))
+    key = cost_key(target, drafter.config.to_dict(), [1], gamma, cfg.eval.cost_rounds, run=str(cfg.run_path))
     runner, proposer, _ = configuration("one slot")
     table, cached = cached_costs(
         cache_root() / "costs",

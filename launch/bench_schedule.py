@@ -111,7 +111,9 @@ def main() -> None:
     rows = [p["ids"] for p in prompts]
     cached: dict[str, bool] = {}
     for family in families:
-        key = cost_key(target, family, sizes, gamma, cfg.eval.cost_rounds, run=str(cfg.run_path))
+        key = cost_key(
+            target, families[family].config.to_dict(), sizes, gamma, cfg.eval.cost_rounds, run=str(cfg.run_path)
+        )
         measure = lambda f=family: measure_costs(  # noqa: E731
             decoder.runners[f], proposers[f], rows, sizes, decoder.gammas[f], cfg.eval.cost_rounds
         )

@@ -192,8 +192,7 @@ def _schedules(cfg: RunConfig, decoder: Decoder, target, drafter_info, prompts) 
         if not isinstance(proposer, TrainedProposer):
             continue
         if mode == "cost" or e.batch_curve:
-            config = json.dumps(drafter_info.get(name, {}).get("config"), sort_keys=True)
-            key = cost_key(target, config, batches, decoder.gammas[name], e.cost_rounds)
+            key = cost_key(target, drafter_info[name]["config"], batches, decoder.gammas[name], e.cost_rounds)
 
             def measure(name=name, proposer=proposer):
                 log.info("eval: measuring the cost table of %s (batch sizes %s)", name, batches)

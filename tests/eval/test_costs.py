@@ -3,6 +3,7 @@ does not bend the table."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -125,7 +126,9 @@ def test_a_proposer_that_drafts_fewer_than_asked_is_timed_at_the_width_it_verifi
 
 def test_a_table_is_measured_once_per_key_and_the_benches_key_apart_from_eval(tmp_path):
     """`cost_key` is the one key eval and the benches cache tables under: the same key reuses the table measured, and
-    another drafter, another chain length, or a bench's own run measures again."""
+    another drafter architecture (of one family, at one run), another chain length, or a bench's own run measures
+    again. A family name alone is refused: keyed by it, a bench reused a two-layer DSpark's table for the one-layer
+    drafter trained in the same run directory after it."""
     target = SimpleNamespace(identity={"name": "t"}, model=SimpleNamespace(dtype=torch.bfloat16), device="cpu")
     measured = []
 
@@ -133,19 +136,24 @@ def test_a_table_is_measured_once_per_key_and_the_benches_key_apart_from_eval(tm
         measured.append(1)
         return CostTable({1: {1: 0.01 * len(measured)}})
 
-    key = cost_key(target, "eagle3", [1, 4], 5, 16)
+    eagle3 = {"hidden_size": 64, "num_layers": 1}
+    two, one = {"block_size": 7, "num_layers": 2}, {"block_size": 7, "num_layers": 1}
+    key = cost_key(target, eagle3, [1, 4], 5, 16)
     assert key["dtype"] == "torch.bfloat16" and key["batches"] == [1, 4] and "run" not in key
     first, cached = cached_costs(tmp_path, key, measure)
-    again, cached_again = cached_costs(tmp_path, cost_key(target, "eagle3", [1, 4], 5, 16), measure)
+    again, cached_again = cached_costs(tmp_path, cost_key(target, dict(eagle3), [1, 4], 5, 16), measure)
     assert (cached, cached_again, len(measured)) == (False, True, 1)
-    assert again.verify == first.verify and again.key["drafter"] == "eagle3"
+    assert again.verify == first.verify and again.key["drafter"] == json.dumps(eagle3, sort_keys=True)
+    assert cached_costs(tmp_path, cost_key(target, two, [1, 4], 7, 16, run="runs/demo"), measure)[1] is False
     for other in (
-        cost_key(target, "dspark", [1, 4], 5, 16),
-        cost_key(target, "eagle3", [1, 4], 3, 16),
-        cost_key(target, "eagle3", [1, 4], 5, 16, run="runs/demo"),
+        cost_key(target, one, [1, 4], 7, 16, run="runs/demo"),
+        cost_key(target, eagle3, [1, 4], 3, 16),
+        cost_key(target, eagle3, [1, 4], 5, 16, run="runs/demo"),
     ):
         assert cached_costs(tmp_path, other, measure)[1] is False
-    assert len(measured) == 4
+    assert len(measured) == 5
+    with pytest.raises(TypeError, match="drafter's config"):
+        cost_key(target, "dspark", [1, 4], 7, 16, run="runs/demo")
 
 
 def test_every_timed_decode_is_whole_cycles_of_the_chain_lengths(tiny64):
