@@ -227,8 +227,9 @@ def cost_key(
 ) -> dict[str, Any]:
     """What a cost table is cached under (`cached_costs`): the target (`pipeline.target.Target`: its identity, dtype
     and device), the drafter's config (`drafter.config.to_dict()`: its family's fields and architecture, which is what
-    a table prices; two trainings of one architecture share a table), the batch sizes and chain length measured and
-    the rounds per timed decode, and anything `more` the caller measures apart (a bench names its run).
+    a table prices, and the confidence scaling fitted with it, so each trained drafter gets its own), the batch sizes
+    and chain length measured and the rounds per timed decode, and anything `more` the caller measures apart (a bench
+    names its run).
     Written once: eval and the benches that reuse its tables build the same key.
 
     The drafter is its config, never a family name: keyed by "dspark" and the run, a bench reused the table of the
