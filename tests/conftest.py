@@ -30,6 +30,14 @@ def tiny_tok():
     return tiny_tokenizer(seed=0)
 
 
+@pytest.fixture(scope="module")
+def tiny64(tiny_tok, test_device):
+    """The decoding tests' real model: a tiny random Llama in float64 (greedy ties cannot flip), on the test device."""
+    from tests.tiny import tiny_llama
+
+    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory):
     """A saved tiny target directory, usable as `model.target`."""

@@ -6,7 +6,6 @@ import runpy
 from pathlib import Path
 
 import pytest
-import torch
 
 from draftsmith.eval.engine import decode
 from draftsmith.eval.proposers import DSparkProposer
@@ -17,14 +16,6 @@ from tests.eval.test_exactness import plain_greedy
 
 SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "bench_probe_acceptance.py"
 BENCH = runpy.run_path(str(SCRIPT))  # not run as __main__: nothing loads or decodes
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny_tok, test_device):
-    """The eval tests' tiny float64 Llama (tests/eval/conftest.py), for this folder."""
-    from tests.tiny import tiny_llama
-
-    return tiny_llama(tiny_tok, seed=0, num_layers=4, dtype=torch.float64).to(test_device)
 
 
 @pytest.mark.parametrize("n", [1, 3])
