@@ -21,6 +21,21 @@ from collections.abc import Mapping, Sequence
 import torch
 
 
+def _pooled(answers: Mapping[str, Sequence[int]]) -> torch.Tensor:
+    """Every domain's answer tokens, one after another, as one id tensor."""
+    return torch.tensor([t for tokens in answers.values() for t in tokens], dtype=torch.int64)
+
+
+def _shares(domain: str, ids: torch.Tensor, counts: torch.Tensor, t2d: torch.Tensor) -> dict[str, float]:
+    if not ids.numel():
+        raise ValueError(f"domain {domain!r} has no answer tokens to measure coverage on")
+    return {
+        "seen": float((counts[ids] > 0).double().mean()),
+        "in_vocab": float(t2d[ids].double().mean()),
+        "tokens": float(ids.numel()),
+    }
+
+
 def coverage(
     answers: Mapping[str, Sequence[int]], counts: torch.Tensor, t2d: torch.Tensor
 ) -> dict[str, dict[str, float]]:
@@ -28,19 +43,11 @@ def coverage(
     answers' token counts over the target vocabulary), `in_vocab`, the share inside the draft vocabulary `t2d` (bool over
     the target vocabulary), and `tokens`, how many there are. A domain with no answer tokens is refused: its shares
     would be 0/0."""
-    out: dict[str, dict[str, float]] = {}
-    pooled: list[int] = []
-    for domain, tokens in [*answers.items(), ("all", None)]:
-        ids = torch.tensor(pooled if tokens is None else list(tokens), dtype=torch.int64)
-        if not ids.numel():
-            raise ValueError(f"domain {domain!r} has no answer tokens to measure coverage on")
-        if tokens is not None:
-            pooled += list(tokens)
-        out[domain] = {
-            "seen": float((counts[ids] > 0).double().mean()),
-            "in_vocab": float(t2d[ids].double().mean()),
-            "tokens": float(ids.numel()),
-        }
+    out = {
+        domain: _shares(domain, torch.tensor(list(tokens), dtype=torch.int64), counts, t2d)
+        for domain, tokens in answers.items()
+    }
+    out["all"] = _shares("all", _pooled(answers), counts, t2d)
     return out
 
 
@@ -51,7 +58,7 @@ def coverage_by_size(
     it (`select_draft_vocab`)."""
     from draftsmith.drafters.vocab import select_draft_vocab
 
-    ids = torch.tensor([t for tokens in answers.values() for t in tokens], dtype=torch.int64)
+    ids = _pooled(answers)
     return {size: float(select_draft_vocab(counts, size)[1][ids].double().mean()) for size in sizes}
 
 
