@@ -374,18 +374,29 @@ class CostSchedule:
         return (total + self.cost_prior * toward) / (n + self.cost_prior)
 
     def verify_time(self, width: int, batch: int) -> float:
-        """The table's pass time corrected by this schedule's measured rounds. A wider pass takes the plain pass's
-        correction until wider passes have been timed (a machine running slower now is slower at every width), and its
-        increment over the plain pass is the table's corrected by what plain and wider passes timed a round apart show
-        (`_paired`), up or down. (A schedule that drafts every round times no plain pass; had wider passes timed below
-        the table made them as cheap as the plain pass's stale figure, drafting would look free.)"""
+        """The table's pass time corrected by this schedule's measured rounds. A wider pass is the plain pass plus the
+        table's increment, corrected by what plain and wider passes timed a round apart show (`_paired`), up or down.
+        Before any such pair, the wider passes' own mean also counts, as a floor: it takes the plain pass's correction
+        until wider passes have been timed (a machine running slower now is slower at every width). (A schedule that
+        drafts every round times no plain pass; had wider passes timed below the table made them as cheap as the plain
+        pass's stale figure, drafting would look free.)
+
+        Once pairs exist, that mean no longer counts: it mixes the increment with the machine's speed in the minutes
+        the wider passes ran, and nothing refreshes it once drafting stops. On an AMX Xeon, EAGLE-3's 13 wider passes
+        in the slow first minute of a bench averaged 21 ms over the table while the plain passes of the rest averaged
+        7 ms under it and 11 pairs put the increment at +5.5 ms; as a floor, that mean priced a second slot at 24 ms
+        and EAGLE-3 never drafted again at T = 0 (τ 1.00 over 1,120 rounds, where its own eval had drafted at τ
+        1.22)."""
         plain_excess = self._shrunk(batch, "plain")
         table_plain = self.costs.verify_time(1, batch)
         plain = table_plain + plain_excess
         if width == 1:
             return plain
         table = self.costs.verify_time(width, batch)
-        return max(table + self._shrunk(batch, "wide", plain_excess), plain + table - table_plain + self._paired(batch))
+        paired = plain + table - table_plain + self._paired(batch)
+        if self.excess.get(batch, {}).get("increment", (0.0, 0.0))[1]:
+            return paired
+        return max(table + self._shrunk(batch, "wide", plain_excess), paired)
 
     def _paired(self, batch: int) -> float:
         """How much more (or less) than the table the increment of a wider pass over a plain one is, as timed: the mean

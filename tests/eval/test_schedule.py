@@ -163,8 +163,11 @@ def test_the_schedule_corrects_a_table_that_makes_drafting_look_cheap():
 def test_a_slower_plain_pass_moves_every_width_and_draft_rounds_learn_their_catch_up():
     """Plain passes timed 0.2 above the table raise a wider pass by as much until wider passes are timed (a slower
     machine is slower at every width: the wide increment does not shrink); wider passes timed 0.3 above the table
-    then raise it more; draft rounds timed above the table (the catch-up over skipped rounds, the bookkeeping) raise
-    `round_time`, which sets the probe floor. n rounds of each against a prior of n rounds: halfway."""
+    then raise it more while no pair of a plain and a wider pass timed a round apart says what the increment is;
+    draft rounds timed above the table (the catch-up over skipped rounds, the bookkeeping) raise `round_time`, which
+    sets the probe floor. n rounds of each against a prior of n rounds: halfway. Once pairs are timed, they alone
+    correct the increment (a plain pass after the wider ones and a wider one after it: two pairs of +0.1 over the
+    table's increment, shrunk by 2 pairs)."""
     s = CostSchedule(TABLE)
     n = int(s.cost_prior)
     for _ in range(n):
@@ -172,11 +175,16 @@ def test_a_slower_plain_pass_moves_every_width_and_draft_rounds_learn_their_catc
         s.timed(1.2, 0.0)
     assert s.verify_time(1, 1) == pytest.approx(1.1) and s.verify_time(2, 1) == pytest.approx(1.3 + 0.1)
     assert s.verify_time(1, 4) == 1.2  # another batch size: its own corrections
+    s.previous.clear()  # the wider passes are not timed right after a plain one: no pair
     for _ in range(n):
         s.last = (1, 2, 0)  # a drafted round, one slot verified
         s.timed(1.6, 0.5)  # its pass 0.3 above the table; drafting 0.4 above it
     assert s.verify_time(2, 1) == pytest.approx(1.3 + (n * 0.3 + n * 0.1) / (2 * n))
     assert s.round_time(1) == pytest.approx(0.1 + 0.4 / 2)
+    for width in (1, 2):  # a plain pass 0.2 above the table, then a wider one 0.3 above it: two pairs, +0.1 each
+        s.last = (1, width, -1 if width == 1 else 0)
+        s.timed(1.2 if width == 1 else 1.6, 0.5)
+    assert s.verify_time(2, 1) == pytest.approx(s.verify_time(1, 1) + 0.3 + 2 * 0.1 / 4)
 
 
 def test_a_catch_up_sets_how_long_a_probe_waits_not_what_drafting_costs():
@@ -367,6 +375,25 @@ def test_pairs_of_rounds_that_time_a_wider_pass_dearer_than_the_table_raise_its_
     assert s.verify_time(2, 1) - s.verify_time(1, 1) == pytest.approx(2.9 / 34)
     late = [_round(s, 0.08, 0.9, 1.0, 0.05) for _ in range(40)]
     assert sum(late) <= 4, late
+
+
+def test_wider_passes_timed_in_a_slow_spell_do_not_keep_drafting_off_once_pairs_time_the_increment():
+    """The table is flat (a pass 1.0 one or two slots wide), a draft round 0.1. For 30 rounds the machine runs slow (a
+    plain pass 1.3, a wider one 1.45) with first slots at 0.15: the schedule drafts a few times, and some of its wider
+    passes follow a plain one (pairs, +0.15 each). Then it runs fast (0.9 and 0.92): 200 rounds at 0.1, where drafting
+    does not pay, time the plain pass, then 200 rounds at 0.3, where drafting pays by 15% on the machine
+    (1.3 / 1.02 against 1 / 0.9) and by the pairs ((1.3) / (0.1 + 0.95 + 0.07) against 1 / 0.95). With the wider
+    passes' own mean as a floor (the mutation: as it was), the slow spell's +0.45 prices a second slot at 1.28 against a
+    plain pass at 0.92 and the schedule never drafts again (0 of 200; EAGLE-3 at T = 0 on an AMX Xeon, τ 1.00 over a
+    whole bench after a slow first minute); with the pairs alone it drafts every round."""
+    table = CostTable(verify={1: {1: 1.0, 2: 1.0}}, draft_step={1: 0.05}, draft_round={1: 0.1})
+    s = CostSchedule(table)
+    slow = [_round(s, 0.15, 1.3, 1.45, 0.1) for _ in range(30)]
+    assert 2 <= sum(slow) <= 8 and s.corrections()[1]["increment"]["excess_s"] == pytest.approx(0.15), slow
+    assert sum(_round(s, 0.1, 0.9, 0.92, 0.1) for _ in range(200)) <= 8
+    assert s.verify_time(1, 1) == pytest.approx(0.95, abs=0.01)
+    assert s.verify_time(2, 1) == pytest.approx(s.verify_time(1, 1) + s._paired(1))
+    assert sum(_round(s, 0.3, 0.9, 0.92, 0.1) for _ in range(200)) >= 195
 
 
 def test_a_table_that_makes_a_wider_pass_too_dear_is_corrected_by_timing_one():
