@@ -385,8 +385,8 @@ class CostSchedule:
         the wider passes ran, and nothing refreshes it once drafting stops. On an AMX Xeon, EAGLE-3's 13 wider passes
         in the slow first minute of a bench averaged 21 ms over the table while the plain passes of the rest averaged
         7 ms under it and 11 pairs put the increment at +5.5 ms; as a floor, that mean priced a second slot at 24 ms
-        and EAGLE-3 never drafted again at T = 0 (τ 1.00 over 1,120 rounds, where its own eval had drafted at τ
-        1.22)."""
+        over a plain pass, and EAGLE-3 never drafted again at T = 0 (τ 1.00 over 1,120 rounds, where its own eval had
+        drafted at τ 1.22; docs/benchmarks.md, "A slow first minute")."""
         plain_excess = self._shrunk(batch, "plain")
         table_plain = self.costs.verify_time(1, batch)
         plain = table_plain + plain_excess
