@@ -382,8 +382,8 @@ class CostSchedule:
         pass's stale figure, drafting would look free.)
 
         Once pairs exist, that mean no longer counts: it mixes the increment with the machine's speed in the minutes
-        the wider passes ran, and nothing refreshes it once drafting stops. On an AMX Xeon, EAGLE-3's 13 wider passes
-        in the slow first minute of a bench averaged 21 ms over the table while the plain passes of the rest averaged
+        the wider passes ran, and nothing refreshes it once drafting stops. On an AMX Xeon, in a bench whose first
+        minutes ran slow, EAGLE-3's 13 wider passes averaged 21 ms over the table while its plain passes averaged
         7 ms under it and 11 pairs put the increment at +5.5 ms; as a floor, that mean priced a second slot at 24 ms
         over a plain pass, and EAGLE-3 never drafted again at T = 0 (τ 1.00 over 1,120 rounds, where its own eval had
         drafted at τ 1.22; docs/benchmarks.md, "A slow first minute")."""
