@@ -393,15 +393,15 @@ class CostSchedule:
         if width == 1:
             return plain
         table = self.costs.verify_time(width, batch)
-        paired = plain + table - table_plain + self._paired(batch)
-        if self.excess.get(batch, {}).get("increment", (0.0, 0.0))[1]:
-            return paired
-        return max(table + self._shrunk(batch, "wide", plain_excess), paired)
+        paired = self._paired(batch)
+        if paired is not None:
+            return plain + table - table_plain + paired
+        return max(table + self._shrunk(batch, "wide", plain_excess), plain + table - table_plain)
 
-    def _paired(self, batch: int) -> float:
-        """How much more (or less) than the table the increment of a wider pass over a plain one is, as timed: the mean
-        over pairs of a plain and a wider pass timed one round apart of (wider excess − plain excess), shrunk toward 0
-        by `cost_prior` pairs, and never below a plain pass. Paired, not the difference of the two means: the plain
+    def _paired(self, batch: int) -> float | None:
+        """How much more (or less) than the table the increment of a wider pass over a plain one is, as timed (None
+        before any pair is timed at this batch size): the mean over pairs of a plain and a wider pass timed one round
+        apart of (wider excess − plain excess), shrunk toward 0 by `cost_prior` pairs, and never below a plain pass. Paired, not the difference of the two means: the plain
         passes are timed in a few stretches (the skipped rounds, the checks) and the wider ones in others, and a
         2-core machine shared with others changes speed by more than the increment between them. Both ways, on one
         AMD EPYC:
@@ -412,11 +412,9 @@ class CostSchedule:
           pairs put the second slot at +8.9 ms; EAGLE-3 drafted every round, at 0.91x of plain decoding in one domain.
           Taken only to lower the increment (as they were then), the pairs left that table as it was."""
         seen = self.excess.get(batch)
-        if seen is None:
-            return 0.0
+        if seen is None or not seen["increment"][1]:
+            return None
         diff, n = seen["increment"]
-        if not n:
-            return 0.0
         table = self.costs.verify_time(2, batch) - self.costs.verify_time(1, batch)
         return max(diff / (n + self.cost_prior), -table)
 
