@@ -6,6 +6,9 @@ against batch size (the batch curve).
         [--temperatures 0,1] [--batches 1,4,16,64] [--curve-temperatures 0] [--curve-repeats 1]
         [--curve-schedules fixed,threshold,cost] [--schedules fixed,threshold,cost] [--threshold 0.5] [--out DIR]
 
+A schedule is one of eval's (fixed, threshold, cost) or `cost-pooled` (the cost schedule without its per-row
+calibration, `VARIANTS`).
+
 Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding, by every
 (drafter, schedule) and by plain decoding again (the A/A column: the noise of a ratio measured this way), side by side
 a round at a time (eval's own `Decoder.temperature`, `eval.engine.interleave`: the configuration that has spent the
@@ -28,6 +31,9 @@ from pathlib import Path
 
 AGAIN = "none/again"
 """Plain decoding run a second time, after every other configuration of the prompt (an A/A comparison)."""
+VARIANTS = {"cost-pooled": ("cost", {"row_prior": None})}
+"""Schedules of this bench only, for a side-by-side comparison: name -> (eval schedule, CostSchedule attributes set).
+`cost-pooled` is the cost schedule calibrated by its pooled ratio alone, without each row's own (`row_prior`)."""
 
 
 def main() -> None:
@@ -63,6 +69,7 @@ def main() -> None:
     from draftsmith.eval.report import cost_tables_markdown, curve_plot, curve_table
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams
+    from draftsmith.eval.schedule import CostSchedule
     from draftsmith.pipeline.config import load_config
     from draftsmith.pipeline.evaluate import Decoder, eval_prompts, summarize
     from draftsmith.pipeline.families import get_family, load_drafter
@@ -118,7 +125,14 @@ def main() -> None:
             decoder.runners[f], proposers[f], rows, sizes, decoder.gammas[f], cfg.eval.cost_rounds
         )
         tables[family], cached[family] = cached_costs(cache_root() / "costs", key, measure)
-    use = lambda name, mode: proposers[name].use(mode, tables[name.split("/")[0]], args.threshold)  # noqa: E731
+
+    def use(name: str, mode: str) -> None:
+        rule, attributes = VARIANTS.get(mode, (mode, {}))
+        proposers[name].use(rule, tables[name.split("/")[0]], args.threshold)
+        if rule == "cost":  # the batch curve switches one proposer's one cost schedule between the variants
+            for key in {k for _, a in VARIANTS.values() for k in a}:
+                setattr(proposers[name].schedule, key, attributes.get(key, getattr(CostSchedule, key)))
+
     for family in families:
         for mode in schedules:
             use(f"{family}/{mode}", mode)

@@ -112,8 +112,8 @@ def test_the_schedule_corrects_overconfident_drafts_from_verified_rounds():
 
 
 def test_a_stretch_of_failed_drafts_fades_and_drafting_resumes():
-    """After 40 first slots predicted 0.5 with one in ten accepted (ratio 8 / 24), a row whose confidence is 0.7 does
-    not draft (0.7 / 3 = 0.23; a round drafts when (1 + s) / (0.1 + 1.3) >= 1 / 1.0, s >= 0.4). Rounds that verify
+    """After 40 first slots predicted 0.5 with one in ten accepted (ratio 8 / 24), a row of a new decode (no evidence
+    of its own, `row_ratio`) whose confidence is 0.7 does not draft (0.7 / 3 = 0.23; a round drafts when (1 + s) / (0.1 + 1.3) >= 1 / 1.0, s >= 0.4). Rounds that verify
     nothing make that evidence fade (each round times 1 - 1/memory_rounds) until 0.7 (4 + 4f) / (4 + 20f) >= 0.4, at
     f <= 0.2308: about 1.47 * memory_rounds rounds later the row drafts every round again. Without fading it would
     only ever be probed."""
@@ -121,6 +121,7 @@ def test_a_stretch_of_failed_drafts_fades_and_drafting_resumes():
     s = CostSchedule(TABLE)
     for r in range(40):
         s.observe([[0.5]], [1 if r % 10 == 0 else 0])
+    s.reset()
     assert not s.worth_drafting(c, on)
     decisions = [s.worth_drafting(c, on) for _ in range(1500)]
     resumed = next(i for i in range(len(decisions)) if all(decisions[i:]))
@@ -129,6 +130,107 @@ def test_a_stretch_of_failed_drafts_fades_and_drafting_resumes():
     assert abs(resumed - expected) < 2, (resumed, expected)
     # before: probes only (after 5, 10, 20, 40 skipped rounds, then every 64); after: its own confidence pays
     assert sum(decisions[:resumed]) <= 16 and s.backoff == 1
+
+
+def _rows_drafting(s: CostSchedule, conf: list[float], hits: list[list[int]]) -> list[int]:
+    """Rounds of a decode of len(conf) rows that say `conf` every round, row b's first slot accepted in round r when
+    hits[b][r]: per row, the rounds whose first slot was verified (drafted and admitted)."""
+    on = torch.ones(len(conf), dtype=torch.bool)
+    c = torch.tensor(conf, dtype=torch.float64)
+    s.reset()
+    verified = [0] * len(conf)
+    for r in range(len(hits[0])):
+        if not s.worth_drafting(c, on):
+            continue
+        s.begin(on)
+        admitted = s.admit(0, c, torch.ones(len(conf), dtype=torch.float64), on).tolist()
+        s.observe(
+            [[x] if a else [] for x, a in zip(conf, admitted)], [h[r] if a else 0 for h, a in zip(hits, admitted)]
+        )
+        verified = [v + a for v, a in zip(verified, admitted)]
+    return verified
+
+
+def test_a_prompt_whose_drafts_fail_stops_drafting_within_its_decode():
+    """A drafter whose first slots, said 0.5, were accepted half the time over 600 rounds of earlier decodes (the
+    pooled ratio near 1) starts a prompt where the same 0.5 is accepted one round in ten. A round drafts from
+    s >= 0.4 ((1 + s) / (0.1 + 1.3) >= 1 / 1.0): 0.5 pays as the pooled calibration prices it, 0.05 does not.
+    The row's own verified slots (`row_ratio`, shrunk toward the pooled ratio by `row_prior` = 16 predicted slots,
+    one decode being too few to estimate the weight from) stop it within a few rounds; on the pooled calibration alone, its 600 rounds of history outweigh the prompt's 200
+    (on the demo's drafters, coding and extraction prompts were drafted every round at 0.90-0.98x of plain
+    decoding). A new decode starts from the pooled ratio again."""
+    history = [[1 if r % 2 == 0 else 0 for r in range(600)]]
+    bad = [[1 if r % 10 == 0 else 0 for r in range(200)]]
+    own, pooled = CostSchedule(TABLE), CostSchedule(TABLE)
+    pooled.row_prior = None
+    for s in (own, pooled):
+        assert _rows_drafting(s, [0.5], history) == [600]
+    assert own.ratio(0) == pytest.approx(1.0, abs=0.05)
+    assert _rows_drafting(own, [0.5], bad)[0] <= 25  # a few rounds, then probes (15)
+    assert _rows_drafting(pooled, [0.5], bad)[0] >= 80  # (113)
+    own.reset()
+    assert own.row_ratio(0, 0) == own.ratio(0)
+
+
+def test_rows_of_one_batch_are_calibrated_apart():
+    """Two rows saying the same 0.5 every round, one accepted half the time and one a tenth: after 60 rounds (9 slots
+    verified per row before drafting stopped paying for the pair) the first row alone still makes a round worth
+    drafting and the second alone does not, where one pooled ratio would price both alike. (Once a round drafts, a
+    batch's second slot at a depth rides in the padded pass: admission then takes both.)"""
+    s = CostSchedule(TABLE)
+    s.row_prior = 4.0  # (no decode before this one: the weight is `row_prior`)
+    hits = [[1 if r % 2 == 0 else 0 for r in range(60)], [1 if r % 10 == 0 else 0 for r in range(60)]]
+    _rows_drafting(s, [0.5, 0.5], hits)
+    assert s.row_ratio(0, 0) > 0.9 and s.row_ratio(0, 1) < 0.7
+    c = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    assert s.worth_drafting(c, torch.tensor([True, False]))
+    assert not s.worth_drafting(c, torch.tensor([False, True]))
+
+
+def test_admission_prices_a_rows_slot_by_its_own_ratio():
+    """40 rounds of two rows saying 0.5, row 0 accepted half the time and row 1 a tenth (weight 4): pooled ratio
+    (24 + 4) / (40 + 4) = 0.64, row 0's (20 + 4 * 0.64) / 24 = 0.94, row 1's (4 + 4 * 0.64) / 24 = 0.27. Row 1 alone
+    drafting a slot said 0.6 at batch 2 (a slot pays from s >= 0.341 there): 0.6 * 0.64 = 0.38 would be admitted,
+    0.6 * 0.27 = 0.16 is not; row 0's is."""
+    s = CostSchedule(TABLE)
+    s.row_prior = 4.0
+    for r in range(40):
+        s.observe([[0.5], [0.5]], [r % 2, 1 if r % 10 == 0 else 0])
+    assert s.ratio(0) == pytest.approx(28 / 44)
+    assert s.row_ratio(0, 1) == pytest.approx((4 + 4 * 28 / 44) / 24)
+    c, ones = torch.tensor([0.6, 0.6], dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    for row, admitted in ((1, False), (0, True)):
+        only = torch.tensor([b == row for b in range(2)])
+        s.begin(only)
+        assert bool(s.admit(0, c, ones, only)[row]) is admitted
+
+
+def test_the_weight_of_a_rows_own_slots_follows_how_far_decoded_rows_differ():
+    """`row_weight`, with a pooled ratio of 1 over first slots said 0.25 (chance alone gives a row of predicted
+    survival P a variance of P (1 - 0.25) in its accepted count): rows whose accepted counts are exactly their
+    predictions (no spread beyond chance) get the largest weight; rows at ratios 0.5 and 1.5 in turn, P = 20 each,
+    spread (100 - 15) / 400 = 0.2125 beyond chance, weight 0.75 / 0.2125; fewer than `row_rows` rows: none (the weight
+    is `row_prior`).
+    A decode's rows are added when the next decode starts."""
+    s = CostSchedule(TABLE)
+    s.predicted, s.accepted, s.verified = [100.0], [100.0], [400.0]
+    s.decoded = [(20.0, 20.0)] * (s.row_rows - 1)
+    assert s.row_weight() is None  # `row_prior` is the weight
+    s.decoded = [(20.0, 20.0)] * 40
+    assert s.row_weight() == s.row_weight_range[1]
+    s.decoded = [(20.0, 10.0), (20.0, 30.0)] * 20
+    assert s.row_weight() == pytest.approx(0.75 / 0.2125)
+    s.decoded = [(20.0, 0.0), (20.0, 40.0)] * 20  # spread 0.96: bounded below
+    assert s.row_weight() == s.row_weight_range[0]
+    s.reset()  # the schedule's next decode starts with that weight
+    assert s.row_weight_now == s.row_weight_range[0]
+    _rows_drafting(s, [0.5, 0.5], [[1, 0, 1, 1], [0, 1, 0, 1]])
+    rows = [(predicted[0], accepted[0]) for predicted, accepted in s.row_sums.values()]
+    assert len(rows) == 2 and all(p > 0 and a >= 1 for p, a in rows)
+    s.reset()
+    assert s.decoded[-2:] == rows and not s.row_sums
+    s.row_prior = None  # the pooled calibration alone
+    assert s.row_weight() is None and s.row_ratio(0, 0) == s.ratio(0)
 
 
 def _round(s: CostSchedule, conf: float, plain: float, wide: float, draft: float) -> int:
