@@ -187,11 +187,10 @@ class CostSchedule:
     """Weight, in predicted slots, of the pooled calibration (`ratio`) against a row's own verified slots in the ratio
     a decode's row has its predictions multiplied by (`row_ratio`), until `row_rows` rows have been decoded: from then
     on the weight is estimated from how far those rows' own ratios spread (`row_weight`). None: the pooled calibration
-    alone. What a drafter's confidences predict is off by prompt, not only overall: on the demo's drafters at T = 0
-    the mean first-slot confidence was 0.26 in every domain, while first slots were accepted 8% of the time in
-    extraction and coding and 24% in roleplay and STEM; priced by the pooled calibration, spread over `memory_rounds`
-    rounds of earlier prompts, EAGLE-3 drafted every round of extraction at 0.97x of plain decoding and DSpark every
-    round of coding at 0.90x."""
+    alone. What a drafter's confidences predict is off by prompt, not only overall: the demo's EAGLE-3 at T = 0 said
+    0.26-0.27 for its first slots in every domain, and had 9% of them accepted in extraction and 24% in roleplay and
+    STEM; priced by the pooled calibration, spread over `memory_rounds` rounds of earlier prompts, it drafted nearly
+    every round of extraction at 0.97x of plain decoding, and DSpark every round of coding (8% accepted) at 0.90x."""
     row_rows = 8
     """Decoded rows with verified first slots from which the spread of rows' own ratios sets the weight (`row_weight`);
     the last `row_memory` are kept."""
@@ -335,9 +334,9 @@ class CostSchedule:
         ρP(1 − ρc̄)] / Σ P², and the posterior mean of a row's ratio is (A + w ρ) / (P + w) with w = ρ(1 − ρc̄) / τ².
         Rows that differ little (next to what chance makes of a row's few slots) get a large weight: their own
         slots barely move the pooled ratio; rows that differ much, a small one. None before `row_rows` rows (or with
-        `row_prior` None); bounded by `row_weight_range`. On the demo's drafters (64-token answers, 2 prompts per domain) the spread gave
-        w ≈ 21 (EAGLE-3) and 7 (DSpark) at T = 0, 36 and 42 at T = 1: prompts differed by a standard deviation of
-        3-7 points of first-slot acceptance around 18%, where chance alone moves a 50-slot prompt's by 5."""
+        `row_prior` None); bounded by `row_weight_range`. Over the demo's 18 eval prompts (64-token answers) it came
+        to 11 for EAGLE-3 and 7.5 for DSpark at T = 0, and to the bound, 64, at T = 1, where the prompts' first-slot
+        acceptance differed by no more than chance (docs/benchmarks.md, "Each row's own calibration")."""
         rows = [(p, a) for p, a in self.decoded if p > 0]
         if self.row_prior is None or len(rows) < self.row_rows or not self.verified or not self.verified[0]:
             return None
