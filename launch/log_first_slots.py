@@ -10,7 +10,8 @@ cost schedule predicts from and its fate is the live verification's (at T = 1 th
 sampled). Unlike `launch/bench_confidence.py` (EAGLE-3, teacher-forced over the greedy answer) it covers every family
 and temperature, and answers as long as `--max-new-tokens`. Writes OUT/first_slots_{drafter}_T{T}.json per drafter and
 temperature, in replay_schedule's layout (`slots`: domain, prompt, head, accepted per first slot, in decoding order;
-`acceptance_t1` is the fate itself, so a replay at either temperature replays the logged fates).
+`acceptance_t1` is the fate itself, so a replay at either temperature replays the logged fates; `by`: "round", one
+slot per round, not per token).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def main() -> None:
                 result = decoder.run([prompt], family, params, args.max_new_tokens)[0]
                 slots += first_slots(result.rounds, result.confidences, prompt["domain"], index)
             path = out / f"first_slots_{family}_T{temperature:g}.json"
-            path.write_text(json.dumps({"temperature": temperature, "drafter": family, "slots": slots}))
+            record = {"temperature": temperature, "drafter": family, "by": "round", "slots": slots}
+            path.write_text(json.dumps(record))
             share = sum(s["accepted"] for s in slots) / max(len(slots), 1)
             print(f"{family} T = {temperature:g}: {len(slots)} first slots, {share:.1%} accepted; wrote {path}")
 

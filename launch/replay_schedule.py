@@ -6,8 +6,9 @@ target: what the rule (`eval.schedule.CostSchedule`) gains at batch 1 with the n
 
 The slots are `launch/bench_confidence.py`'s (every first slot of the eval prompts, teacher-forced over the target's
 greedy continuation, with the drafter's calibrated confidence and whether the target accepts it) or
-`launch/log_first_slots.py`'s (decoded live, any drafter and temperature: its fates are replayed as logged), the table
-is the one `launch/bench_schedule.py` printed and saved. Each prompt is decoded round by round as the engine does: the schedule
+`launch/log_first_slots.py`'s (decoded live, any drafter and temperature, one slot per round: its fates are replayed
+as logged, a slot per round replayed), the table is the one `launch/bench_schedule.py` printed and saved. Each prompt
+is decoded round by round as the engine does: the schedule
 decides from the row's last first-slot confidence whether to draft; a drafted round costs the table's draft round and
 admits the first slot or not; an admitted slot is accepted as the target would (a round then commits two tokens and
 moves two slots on), and the schedule observes it; a round costs the table's pass at its width. Only the first slot is
@@ -18,7 +19,8 @@ the pooled one alone), drafting every round, and an oracle that knows
 each prompt's acceptance beforehand and drafts every round of the prompts where that pays (the best any rule deciding
 from a level could do). The schedule carries what it learns from one prompt to the next, so the order matters: the table
 is for eval's order (domain by domain), and `--orders` more replays in shuffled orders give each policy's overall
-speedup and its worst domain's as a mean and range. With `--temperature 1` a slot is accepted with its chance at T = 1 (`acceptance_t1`, drawn
+speedup and its worst domain's as a mean and range. With `--temperature 1` a slot is accepted with its chance at
+T = 1 (`acceptance_t1`, drawn
 once per slot from a seeded generator, the same draws for every policy), on the greedy continuation's prefixes (the text
 a T = 1 decode samples differs: the demo's EAGLE-3 had a 12.3% chance here, 14.2% of its first slots accepted in a
 T = 1 bench).
@@ -55,6 +57,7 @@ def main() -> None:
     pays_from = (wide + draft) / plain - 1
     draws = random.Random(0)
     prompts: dict[int, list[dict]] = defaultdict(list)
+    per_round = raw.get("by") == "round"  # launch/log_first_slots.py: one slot per round decoded, not per token
     for slot in raw["slots"]:
         if args.temperature:  # the slot's fate at T = 1, drawn once
             slot = {**slot, "accepted": float(draws.random() < slot["acceptance_t1"])}
@@ -104,7 +107,7 @@ def main() -> None:
                 tally[1] += draft + wide
                 tally[2] += 1
                 tally[3] += hit
-                t += 1 + hit
+                t += 1 if per_round else 1 + hit  # an accepted slot commits two tokens: the next slot is 2 on
         return out
 
     runs = {

@@ -38,3 +38,21 @@ def test_the_replay_charges_each_round_what_the_table_says(tmp_path, monkeypatch
     assert "pays from 30% acceptance" in out and "Over 3 shuffled prompt orders" in out
     # drafting every round: the worst domain is "hard" in every order
     assert "| every round | " in out and "| 0.769x [0.769, 0.769] |" in out
+
+
+def test_slots_logged_per_round_are_replayed_one_per_round(tmp_path, monkeypatch, capsys):
+    """launch/log_first_slots.py logs one first slot per round decoded (`by`: "round"): an accepted slot's round is
+    followed by the next logged slot, not by the one after it, so drafting every round of 10 accepted slots verifies
+    all 10 (teacher-forced slots, one per token, verify every other one: 5)."""
+    slots = [{"domain": "easy", "prompt": 0, "head": 0.9, "accepted": 1.0, "acceptance_t1": 1.0} for _ in range(10)]
+    table = {"verify": {"1": {"1": 1.0, "2": 1.2}}, "draft_step": {"1": 0.05}, "draft_round": {"1": 0.1}}
+    (tmp_path / "costs.json").write_text(json.dumps({"costs": {"eagle3": table}}))
+    verified = {}
+    for by in ("round", None):
+        (tmp_path / "slots.json").write_text(json.dumps({"slots": slots, **({"by": by} if by else {})}))
+        argv = [str(SCRIPT), str(tmp_path / "slots.json"), str(tmp_path / "costs.json"), "--orders", "0"]
+        monkeypatch.setattr(sys, "argv", argv)
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+        easy = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| easy"))
+        verified[by] = easy.split(" | ")[2].strip(" |")
+    assert verified == {"round": "1.538x (10/10)", None: "1.538x (5/5)"}
