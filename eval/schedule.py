@@ -242,6 +242,7 @@ class CostSchedule:
         self.sampling: Hashable = None
         self.regimes: dict[Hashable, dict[str, Any]] = {}
         self.__dict__.update(self._learned())
+        self.row_sums: dict[int, tuple[list[float], list[float]]] = {}  # row -> per depth (Σ predicted, Σ accepted)
         self.reset()
 
     @staticmethod
@@ -374,12 +375,12 @@ class CostSchedule:
         self.skipped = 0
         self.behind = False
         # the last decode's rows, for the weight of a row's own slots (`row_weight`), with the regime they ran in
-        for predicted, accepted in getattr(self, "row_sums", {}).values():
+        for predicted, accepted in self.row_sums.values():
             if predicted:
                 self.decoded.append((predicted[0], accepted[0]))
         del self.decoded[: -self.row_memory]
         self.row_weight_now = self.row_weight()
-        self.row_sums: dict[int, tuple[list[float], list[float]]] = {}  # row -> per depth (Σ predicted, Σ accepted)
+        self.row_sums = {}
 
     def worth_drafting(self, c0: torch.Tensor | Sequence[float], active: torch.Tensor | Sequence[bool]) -> bool:
         """Whether this round runs the drafter at all, from each row's first-slot confidence of the last round it
