@@ -177,6 +177,12 @@ class Decoder:
         return by, diverged
 
 
+def has_confidences(proposer: TrainedProposer) -> bool:
+    """Whether the proposer's drafter has a trained confidence head, which the threshold and cost rules read (an
+    EAGLE-3 drafter imported from an engine directory without one has not: `Eagle3Config.confidence_trained`)."""
+    return getattr(proposer.drafter.config, "confidence_trained", True)
+
+
 def _schedules(cfg: RunConfig, decoder: Decoder, target, drafter_info, prompts) -> tuple[dict[str, Any], dict]:
     """Set each trained proposer's admission rule (eval.schedule); where the cost schedule runs (the eval's own, or
     the batch curve's), measure (or reuse) its cost table. Returns the tables, and their record."""
@@ -190,6 +196,15 @@ def _schedules(cfg: RunConfig, decoder: Decoder, target, drafter_info, prompts) 
     record: dict[str, Any] = {}
     for name, proposer in decoder.proposers.items():
         if not isinstance(proposer, TrainedProposer):
+            continue
+        if not has_confidences(proposer):
+            if e.schedule in ("threshold", "cost"):
+                raise StageError(
+                    f"eval.schedule={e.schedule} reads the drafter's confidences, and {name}'s confidence head was "
+                    "never trained (imported from an export without one): use eval.schedule=fixed or auto"
+                )
+            log.warning("eval: %s has no trained confidence head (imported without one): fixed γ", name)
+            proposer.use("fixed")
             continue
         if mode == "cost" or e.batch_curve:
             key = cost_key(target, drafter_info[name]["config"], batches, decoder.gammas[name], e.cost_rounds)
@@ -218,7 +233,7 @@ def _batch_curve(cfg: RunConfig, decoder: Decoder, tables: dict, prompts, params
     e, state = cfg.eval, dist_state()
     trained = [n for n, p in decoder.proposers.items() if isinstance(p, TrainedProposer)]
     schedules = ["fixed", *(["threshold"] if e.confidence_threshold is not None else []), "cost"]
-    configs = [(n, m) for n in trained for m in schedules]
+    configs = [(n, m) for n in trained for m in schedules if m == "fixed" or has_confidences(decoder.proposers[n])]
     use = lambda name, m: decoder.proposers[name].use(m, tables.get(name), e.confidence_threshold)  # noqa: E731
     # eval's own schedules, put back afterwards as they are: what they learned (calibration, timings) is kept
     own = {n: (decoder.proposers[n].schedule, decoder.proposers[n].threshold) for n in trained}
@@ -297,6 +312,10 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         "prompts": len(prompts),
         "processes": state.num_processes,
         "schedule": e.resolved_schedule(),
+        # a drafter whose confidence head was never trained is drafted at fixed γ whatever the schedule (`_schedules`)
+        "no_confidence_head": sorted(
+            n for n, p in proposers.items() if isinstance(p, TrainedProposer) and not has_confidences(p)
+        ),
     }
     ev: dict[str, Any] = {"target": target.identity, "drafters": drafter_info, "settings": settings, "complete": False}
     ev["costs"] = costs
@@ -313,6 +332,8 @@ def run_eval(cfg: RunConfig, drafter: str | None = None) -> Path:
         ev["runs"].append(
             summarize(temperature, by, diverged, decoder.gammas, list(proposers), len(prompts), params.greedy)
         )
+        for name in settings["no_confidence_head"]:  # the ECE of an untrained head would read as a drafter's
+            ev["runs"][-1]["overall"][name]["calibration"] = None
         ev["batch_curve"] = ev.get("batch_curve", []) + curve
         # each temperature's results are on disk as soon as they exist (marked incomplete until the last one):
         # a failure at a later temperature loses nothing already measured
@@ -391,7 +412,9 @@ def _report(layout: RunLayout, inputs, ev: dict[str, Any], target, model, drafte
     layout.eval_report.write_text(
         f"# draftsmith eval\n\nTarget: `{target.identity['name']}`; trained drafters: "
         f"{trained_list}; device {target.device}, "
-        f"{model.dtype}; {n_prompts} prompts; schedule {ev['settings']['schedule']}.\n\n{table}\n"
+        f"{model.dtype}; {n_prompts} prompts; schedule {ev['settings']['schedule']}"
+        + "".join(f" ({n}: fixed γ, no trained confidence head)" for n in ev["settings"].get("no_confidence_head", []))
+        + f".\n\n{table}\n"
         + cost_tables_markdown(ev.get("costs", {}))
         + "".join(f"\n![{w}]({w})\n" for w in written)
     )

@@ -34,10 +34,12 @@ log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _write(directory: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+def _write(d: ExportedDirectory, directory: Path) -> None:
+    files = {"model.safetensors": d.tensors, **d.sidecars}
+    for name, tensors in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / name))
+    (directory / "config.json").write_text(json.dumps(d.config, indent=2) + "\n")
 
 
 def import_drafter(directory: str | Path, embed_weight: torch.Tensor | None = None) -> Any:
@@ -135,7 +137,7 @@ def run_export(cfg: RunConfig, drafter: str | None = None) -> Path:
     for d in written:
         for note in d.notes:
             console.print(f"[yellow]export: {note}[/]", highlight=False)
-        _write(layout.export_format(d.name), d.tensors, d.config)
+        _write(d, layout.export_format(d.name))
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(_readme(cfg, models, exported, spec.name))
     write_manifest(

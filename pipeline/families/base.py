@@ -103,6 +103,8 @@ class ExportedDirectory:
     """What a user must be told (e.g. an engine that will not load it, and why)."""
     refused: str | None = None
     """Why this directory is not written at all (no engine would compute what was trained); tensors are empty."""
+    sidecars: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Further safetensors files, by path under the directory, in a subfolder no engine reads (`CONFIDENCE_FILE`)."""
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,33 @@ def implied_vocab(directory: Path, vocab: int, draft_vocab: int) -> dict[str, to
     return {"d2t": torch.zeros(draft_vocab, dtype=torch.int64), "t2d": torch.ones(vocab, dtype=torch.bool)}
 
 
+CONFIDENCE_FILE = "draftsmith/confidence.safetensors"
+"""Where an engine directory carries a confidence head that its layout has no tensors for (EAGLE-3's): a subfolder,
+because vLLM 0.33 and SGLang 0.5.23 load every `*.safetensors` at the top of the directory and refuse (vLLM) or drop
+(SGLang) names their model lacks, while neither looks into subfolders (tests/engines runs both loaders' own file
+discovery on the exports)."""
+
+
+def calibration_config(cfg: Any) -> dict[str, Any]:
+    """The fitted confidence scaling as extra config.json keys (no engine layout has a field for it; engines and
+    speculators keep or ignore unknown keys): what `calibration_fields` reads back."""
+    keys = {
+        "draftsmith_confidence_temperatures": cfg.confidence_temperatures,
+        "draftsmith_confidence_biases": cfg.confidence_biases,
+        "draftsmith_sampled_confidence_calibration": cfg.sampled_confidence_calibration,
+    }
+    return {k: (dict(v) if isinstance(v, dict) else list(v)) for k, v in keys.items() if v}
+
+
+def calibration_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The drafter config fields `calibration_config` wrote into an export's config.json."""
+    return {
+        "confidence_temperatures": raw.get("draftsmith_confidence_temperatures"),
+        "confidence_biases": raw.get("draftsmith_confidence_biases"),
+        "sampled_confidence_calibration": raw.get("draftsmith_sampled_confidence_calibration"),
+    }
+
+
 def load_renamed_weights(
     model: Any,
     directory: Path,
@@ -264,12 +293,15 @@ def load_renamed_weights(
     renames: dict[str, str],
     extra: dict[str, torch.Tensor] | None = None,
 ) -> Any:
-    """Fill `model` from DIRECTORY/model.safetensors (names renamed by prefix) and `extra` (tensors the layout
-    implies, e.g. an identity vocabulary), the embedding from the target when the export has none; refuses missing
-    or unexpected tensors. Keeps the export's dtype."""
+    """Fill `model` from DIRECTORY/model.safetensors (names renamed by prefix), the confidence head of
+    DIRECTORY/`CONFIDENCE_FILE` when there is one, and `extra` (tensors the layout implies, e.g. an identity
+    vocabulary), the embedding from the target when the export has none; refuses missing or unexpected tensors (a
+    confidence head may be missing: the caller decides what a drafter without one is). Keeps the export's dtype."""
     from safetensors.torch import load_file
 
     ours = dict(extra or {})
+    if (directory / CONFIDENCE_FILE).is_file():
+        ours |= load_file(str(directory / CONFIDENCE_FILE))
     for key, value in load_file(str(directory / "model.safetensors")).items():
         prefix = next((p for p in renames if key.startswith(p)), None)
         ours[renames[prefix] + key[len(prefix) :] if prefix else key] = value

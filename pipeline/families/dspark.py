@@ -35,6 +35,8 @@ from draftsmith.pipeline.families.base import (
     TargetParts,
     TrainContext,
     calibrate_confidences,
+    calibration_config,
+    calibration_fields,
     engine_refusal,
     implied_vocab,
     load_renamed_weights,
@@ -168,13 +170,7 @@ def files(
         },
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if cfg.confidence_temperatures:
-        config["draftsmith_confidence_temperatures"] = list(cfg.confidence_temperatures)
-    if cfg.confidence_biases:
-        config["draftsmith_confidence_biases"] = list(cfg.confidence_biases)
-    if cfg.sampled_confidence_calibration:
-        config["draftsmith_sampled_confidence_calibration"] = dict(cfg.sampled_confidence_calibration)
-    return tensors, config
+    return tensors, config | calibration_config(cfg)
 
 
 def export(model: DSparkDrafter, ctx: ExportContext) -> list[ExportedDirectory]:
@@ -241,9 +237,7 @@ def import_export(directory: Path, raw: dict[str, Any], embed_weight: torch.Tens
         rope_theta=lc.get("rope_theta", 10000.0),
         max_position_embeddings=lc["max_position_embeddings"],
         hidden_act=lc.get("hidden_act", "silu"),
-        confidence_temperatures=raw.get("draftsmith_confidence_temperatures"),
-        confidence_biases=raw.get("draftsmith_confidence_biases"),
-        sampled_confidence_calibration=raw.get("draftsmith_sampled_confidence_calibration"),
+        **calibration_fields(raw),
         extra={"rope_scaling": lc["rope_scaling"]} if lc.get("rope_scaling") else {},
     )
     extra = implied_vocab(directory, cfg.vocab_size, cfg.draft_vocab_size)

@@ -18,12 +18,18 @@ Export layouts, as vLLM 0.33, SGLang 0.5.23 and speculators 0.9.0 read them (tes
 - No engine directory is written for a drafter fusing aux id L (the target's layer count: here the final *normed*
   output, which vLLM captures before the final norm and SGLang never captures) or with aux ids out of ascending
   order (both engines concatenate in layer order): they would load and compute something else.
-EAGLE-3's confidence head is draftsmith's own (adaptive verification in `eval`) and is not exported.
+- EAGLE-3's confidence head is draftsmith's own (adaptive verification in `eval`): neither engine's EAGLE-3 model has
+  one, and vLLM refuses a tensor its model lacks. So both directories carry it beside the engines' file, in
+  `draftsmith/confidence.safetensors` (`base.CONFIDENCE_FILE`, a subfolder neither engine reads), and its fitted
+  scaling as the extra config keys DSpark's export uses (`base.calibration_config`): `draftsmith import` gives back the
+  calibrated drafter. An EAGLE-3 directory without that file (another trainer's) imports with an untrained head,
+  marked `confidence_trained: false`, which eval drafts at fixed γ.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,17 +42,22 @@ from draftsmith.eval.proposers import Eagle3Proposer
 from draftsmith.pipeline.config import CalibratedSettings
 from draftsmith.pipeline.families import register
 from draftsmith.pipeline.families.base import (
+    CONFIDENCE_FILE,
     ExportContext,
     ExportedDirectory,
     Family,
     TargetParts,
     TrainContext,
     calibrate_confidences,
+    calibration_config,
+    calibration_fields,
     engine_refusal,
     implied_vocab,
     load_renamed_weights,
     vocab_tensors,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Eagle3Settings(CalibratedSettings):
@@ -167,7 +178,7 @@ def engine_files(
     }
     if sglang:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids]}
-    return tensors, config
+    return tensors, config | calibration_config(cfg)
 
 
 def speculators_files(
@@ -204,7 +215,16 @@ def speculators_files(
         },
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    return tensors, config
+    return tensors, config | calibration_config(cfg)
+
+
+def confidence_sidecar(model: Eagle3Drafter, dtype: torch.dtype) -> dict[str, dict[str, torch.Tensor]]:
+    """The confidence head's tensors, under our names, as the `CONFIDENCE_FILE` of an engine directory (nothing for a
+    drafter whose head was never trained: an export must not pass an initialisation off as a trained head)."""
+    if not model.config.confidence_trained:
+        return {}
+    head = {k: v.to(dtype) for k, v in model.state_dict().items() if k.startswith("confidence.")}
+    return {CONFIDENCE_FILE: head}
 
 
 def export(model: Eagle3Drafter, ctx: ExportContext) -> list[ExportedDirectory]:
@@ -239,7 +259,9 @@ def export(model: Eagle3Drafter, ctx: ExportContext) -> list[ExportedDirectory]:
                 "",
             ]
         notes = [f"eagle3/ is for vLLM only: {sglang}"] if sglang and "sglang" in ctx.formats else []
-        out.append(ExportedDirectory("eagle3", tensors, config, lines, notes))
+        out.append(
+            ExportedDirectory("eagle3", tensors, config, lines, notes, sidecars=confidence_sidecar(model, ctx.dtype))
+        )
         lines = []
     if "speculators" in ctx.formats:
         tensors, config = speculators_files(model, ctx.target_config, ctx.target_name, ctx.dtype, k)
@@ -254,7 +276,9 @@ def export(model: Eagle3Drafter, ctx: ExportContext) -> list[ExportedDirectory]:
         lines += ["```", ""]
         if not ctx.hub_target:
             lines += ["(`vllm serve DIR` alone refuses a verifier that is a local path.)", ""]
-        out.append(ExportedDirectory("speculators", tensors, config, lines))
+        out.append(
+            ExportedDirectory("speculators", tensors, config, lines, sidecars=confidence_sidecar(model, ctx.dtype))
+        )
     return out
 
 
@@ -280,12 +304,30 @@ def import_export(directory: Path, raw: dict[str, Any], embed_weight: torch.Tens
         num_layers=lc["num_hidden_layers"],
         norm_before_residual=raw["norm_before_residual"],
         hidden_act=lc.get("hidden_act", "silu"),
+        **(calibration_fields(raw) | _confidence_shape(directory)),
     )
     first = "layers.0" if speculators else "midlayer"
     # the engines' names -> ours: the first layer is our `midlayer`, later ones shift down by one
     renames = {first + ".": "midlayer."} | {f"layers.{j}.": f"layers.{j - 1}." for j in range(1, cfg.num_layers)}
     extra = implied_vocab(directory, cfg.vocab_size, cfg.draft_vocab_size)
     return load_renamed_weights(Eagle3Drafter(cfg), directory, embed_weight, renames, extra)
+
+
+def _confidence_shape(directory: Path) -> dict[str, Any]:
+    """The config fields of the confidence head an export carries (`CONFIDENCE_FILE`): its width, read off its first
+    layer; without the file, an untrained head (`confidence_trained` false) and no scaling to read."""
+    from safetensors import safe_open
+
+    if not (directory / CONFIDENCE_FILE).is_file():
+        log.warning(
+            "%s carries no EAGLE-3 confidence head (%s): the imported drafter's head is untrained, and eval drafts it "
+            "at fixed γ",
+            directory,
+            CONFIDENCE_FILE,
+        )
+        return {"confidence_trained": False} | dict.fromkeys(calibration_fields({}))
+    with safe_open(str(directory / CONFIDENCE_FILE), "pt") as f:
+        return {"confidence_hidden": f.get_slice("confidence.0.weight").get_shape()[0]}
 
 
 FAMILY = register(

@@ -139,13 +139,14 @@ def _build(v: Variant, target_dir: Path):
                 p.uniform_(0.5, 1.5)
         if v.family == "dspark":
             model.markov_head.markov_w1.weight.normal_(0, 1.0)
-    if v.family == "dspark":  # calibrated, as trained: the scaling rides along as extra keys the engines must accept
-        model.config.confidence_temperatures = [2.0, 1.5, 1.0, 1.0]
-        model.config.confidence_biases = [-1.0, -0.5, 0.0, 0.0]
-        model.config.sampled_confidence_calibration = {
-            "0.0": {"temperatures": [2.0, 1.5, 1.0, 1.0], "biases": [-1.0, -0.5, 0.0, 0.0]},
-            "1.0": {"temperatures": [3.0, 1.0, 1.0, 1.0], "biases": [-1.5, 0.0, 0.0, 0.0]},
-        }
+    # calibrated, as trained: the scaling rides along as extra config keys the engines must accept (and EAGLE-3's
+    # confidence head as draftsmith/confidence.safetensors, a file their loaders must not pick up)
+    model.config.confidence_temperatures = [2.0, 1.5, 1.0, 1.0]
+    model.config.confidence_biases = [-1.0, -0.5, 0.0, 0.0]
+    model.config.sampled_confidence_calibration = {
+        "0.0": {"temperatures": [2.0, 1.5, 1.0, 1.0], "biases": [-1.0, -0.5, 0.0, 0.0]},
+        "1.0": {"temperatures": [3.0, 1.0, 1.0, 1.0], "biases": [-1.5, 0.0, 0.0, 0.0]},
+    }
     return model.eval(), target.eval()
 
 

@@ -63,7 +63,9 @@ def main(work: Path) -> None:
     os.environ["SGLANG_DISABLED_MODEL_ARCHS"] = ",".join(
         n for _, n, _ in pkgutil.iter_modules(models.__path__) if n not in keep
     )
+    import sglang.srt.model_loader.loader as loader_module
     from safetensors.torch import load_file
+    from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.utils import get_model_architecture
     from sglang.srt.models.llama import LlamaForCausalLM
@@ -110,7 +112,12 @@ def main(work: Path) -> None:
             r["layers_to_capture"] = list(capture)
 
             model = cls(config)
-            weights = load_file(str(d / "model.safetensors"))
+            # the weight files SGLang's own loader finds in the directory (its glob), all of them loaded; the server
+            # args it reads there only gate a checksum check, and no server runs here
+            loader_module.get_server_args = lambda: None
+            _, files, _ = loader_module.DefaultModelLoader(LoadConfig())._prepare_weights(str(d), None, True)
+            r["weight_files"] = sorted(str(Path(f).relative_to(d)) for f in files)
+            weights = {k: t for f in files for k, t in load_file(f).items()}
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             model.load_weights(list(weights.items()))
             r["not_loaded"] = [

@@ -388,7 +388,9 @@ def main(work: Path) -> None:
         VllmConfig,
         set_current_vllm_config,
     )
+    from vllm.config.load import LoadConfig
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.models.registry import ModelRegistry
     from vllm.transformers_utils.config import maybe_override_with_speculators
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -471,7 +473,10 @@ def main(work: Path) -> None:
                     )
                     r["draft_class"] = f"{cls.__module__}.{cls.__name__}"
                     draft = cls(vllm_config=vc, prefix="")
-                    weights = load_file(str(d / "model.safetensors"))
+                    # the weight files vLLM's own loader finds in the directory (its glob), all of them loaded
+                    _, files, _, _ = DefaultModelLoader(LoadConfig())._prepare_weights(str(d), None, None, True, None)
+                    r["weight_files"] = sorted(str(Path(f).relative_to(d)) for f in files)
+                    weights = {k: t for f in files for k, t in load_file(f).items()}
                     try:
                         draft.load_weights(list(weights.items()))
                     except Exception as exc:  # noqa: BLE001 - the message is the result

@@ -38,10 +38,14 @@ def test_sglang_loads_and_computes_ours(sglang_results, exported, name):
     vocab < or == target vocab; Llama or Qwen3 target): `get_model_architecture` picks LlamaForCausalLMEagle3,
     `set_eagle3_layers_to_capture` on SGLang's ids gives our aux layers, `load_weights` fills every parameter but the
     (shared) embedding and turns d2t into hot_token_id, and the logits equal draftsmith's step-0 logits on the layer
-    inputs SGLang captures (float32)."""
+    inputs SGLang captures (float32). The weights are what SGLang's own loader finds in the directory (its file
+    discovery): model.safetensors alone, not the confidence head draftsmith keeps in draftsmith/ (SGLang would drop
+    its names silently), and the calibration's extra config keys do not stop the config from loading."""
     v = VARIANTS[name]
     r = _result(sglang_results, name)
     assert "refused" not in r, f"SGLang refuses a directory it can serve: {r['refused']}"
+    assert r["weight_files"] == ["model.safetensors"]
+    assert (Path(exported[name]["export"]) / "eagle3" / "draftsmith" / "confidence.safetensors").is_file()
     assert r["class"] == "sglang.srt.models.llama_eagle3.LlamaForCausalLMEagle3"
     assert r["layers_to_capture"] == list(v.aux)
     assert r["not_loaded"] == []

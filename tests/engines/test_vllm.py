@@ -77,11 +77,15 @@ def test_vllm_eagle3_loads_and_computes_ours(vllm_results, exported, name, sub):
     captures the aux states at the layers of `get_eagle3_aux_layers_from_config`, the drafter's
     combine_hidden_states + forward + compute_logits give logits equal to draftsmith's `ttt_forward` step 0 on
     draftsmith's own feature capture (float32; only the operation order differs). Emulated: F.linear for linear
-    layers, CustomOps on forward_native, Attention -> causal SDPA."""
+    layers, CustomOps on forward_native, Attention -> causal SDPA. The weights are every file vLLM's own loader finds in
+    the directory (its file discovery): model.safetensors alone, not the confidence head draftsmith keeps in
+    draftsmith/ (whose names vLLM's loader would refuse); the calibration's extra config keys are read past."""
     v = VARIANTS[name]
     r = _result(vllm_results, name, sub)
     assert r["draft_class"] == "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM"
     assert "load_error" not in r, r["load_error"]
+    assert r["weight_files"] == ["model.safetensors"]
+    assert (Path(exported[name]["export"]) / sub / "draftsmith" / "confidence.safetensors").is_file()
     assert r["placement_problems"] == {}
     assert r["fc_in_features"] == len(v.aux) * 64
     assert r["has_draft_id_to_target_id"] is not v.full_vocab

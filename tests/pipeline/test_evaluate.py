@@ -4,6 +4,7 @@ shared over 2 processes, and export under that launch."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -224,6 +225,25 @@ def test_eval_stage(tmp_path):
         if p["schedule"] != "cost":
             assert (p["tau"], p["slots_per_row_round"]) == (one["tau"], one["slots_per_row_round"])
     assert json.loads((tmp_path / "run" / "export" / "manifest.json").read_text())["kind"] == "export"
+
+    # a drafter whose confidence head was never trained (as `draftsmith import` marks another trainer's EAGLE-3
+    # directory, which carries none: tests/pipeline/test_export.py): eval drafts it at fixed γ under the default
+    # schedule, batch curve included, says so in the report, reports no calibration for it and refuses the cost rule
+    foreign = tmp_path / "foreign" / "eagle3"
+    shutil.copytree(tmp_path / "run" / "train" / "eagle3" / "final", foreign)
+    raw = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps(raw | {"confidence_trained": False}))
+    imported = str(foreign)
+    argv = ["eval", str(recipe), f"run_dir={tmp_path / 'run'}", "--drafter", imported, "--temperature", "0"]
+    assert main([*argv, "eval.schedule=auto", "eval.output=eval-imported", "eval.batch_curve=[1]"]) == 0
+    ev = json.loads((tmp_path / "run" / "eval-imported" / "eval.json").read_text())
+    assert ev["settings"]["no_confidence_head"] == ["eagle3"] and ev["costs"] == {}
+    assert ev["runs"][0]["overall"]["eagle3"]["calibration"] is None
+    assert {p["schedule"] for p in ev["batch_curve"] if p["drafter"] == "eagle3"} == {"fixed"}
+    assert (
+        "eagle3: fixed γ, no trained confidence head" in (tmp_path / "run" / "eval-imported" / "report.md").read_text()
+    )
+    assert main([*argv, "eval.schedule=cost", "eval.output=eval-imported-cost"]) != 0
 
 
 def _lookup_only_recipe(tmp_path, device):

@@ -271,6 +271,74 @@ def test_round_trip_is_bit_exact(target4, tmp_path, fmt, dtype, num_layers):
         assert torch.equal(la, lb)
 
 
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eagle3_round_trip_keeps_its_calibrated_confidence_head(target4, tmp_path, fmt, dtype):
+    """The confidence head the cost schedule reads, and its fitted scaling, travel in both EAGLE-3 directories
+    (`draftsmith/confidence.safetensors` and extra config keys): the imported drafter's calibrated confidences equal
+    the exported one's bit for bit at the export dtype. Before, neither travelled: the import kept a fresh head."""
+    model, path = _drafter(target4, tmp_path)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a head unlike any fresh initialisation
+        for name, p in model.named_parameters():
+            if name.startswith("confidence."):
+                p.copy_(torch.randn(p.shape, generator=g))
+    model.config.confidence_temperatures = [0.5, 1.5, 2.0]
+    model.config.confidence_biases = [-1.0, 0.0, 0.5]
+    per_sampling = {"1.0": {"temperatures": [1.5, 1.0, 2.0], "biases": [-2.0, 0.0, 0.0]}}
+    model.config.sampled_confidence_calibration = per_sampling
+    model.save_pretrained(path)
+    out = _export(target4, tmp_path, path, f"export.dtype={dtype}")
+    assert set(load_file(str(out / fmt / "draftsmith" / "confidence.safetensors"))) == {
+        k for k in model.state_dict() if k.startswith("confidence.")
+    }
+    assert not any(k.startswith("confidence.") for k in load_file(str(out / fmt / "model.safetensors")))
+    again = import_drafter(out / fmt, embed_weight=model.embed_tokens.weight.detach())
+    assert again.config.confidence_trained and again.config.confidence_temperatures == [0.5, 1.5, 2.0]
+    assert again.config.confidence_biases == [-1.0, 0.0, 0.5]
+    assert again.config.sampled_confidence_calibration == per_sampling
+    ref = model.to(getattr(torch, dtype)).eval()
+    again.eval()
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(2, 11, 3 * 64, generator=g).to(ref.fc.weight.dtype)
+    ids = torch.randint(0, 384, (2, 11), generator=g)
+    with torch.no_grad():
+        a, b = ref.ttt_forward(aux, ids, 3), again.ttt_forward(aux, ids, 3)
+    for i, ((_, ca), (_, cb)) in enumerate(zip(a, b)):
+        for sampling in (0.0, 1.0):
+            assert torch.equal(ref.calibrated(ca, i, sampling), again.calibrated(cb, i, sampling))
+
+
+def test_an_eagle3_export_without_a_confidence_head_is_drafted_at_fixed_gamma(target4, tmp_path):
+    """Another trainer's EAGLE-3 directory has no confidence head: the import says its head is untrained
+    (`confidence_trained` false), a re-export writes none, and eval drafts it at fixed γ under eval.schedule=auto and
+    refuses the rules that read confidences, naming the drafter."""
+    import shutil
+    from types import SimpleNamespace
+
+    from draftsmith.eval.proposers import Eagle3Proposer
+    from draftsmith.pipeline.evaluate import _schedules
+
+    model, path = _drafter(target4, tmp_path)
+    out = _export(target4, tmp_path, path, "export.dtype=float32")
+    shutil.rmtree(out / "eagle3" / "draftsmith")
+    again = import_drafter(out / "eagle3", embed_weight=model.embed_tokens.weight.detach())
+    assert again.config.confidence_trained is False and again.config.confidence_temperatures is None
+    again.save_pretrained(tmp_path / "imported")
+    out2 = _export(target4, tmp_path / "second", tmp_path / "imported", "export.dtype=float32")
+    assert not (out2 / "eagle3" / "draftsmith").exists() and not (out2 / "speculators" / "draftsmith").exists()
+    for schedule, refused in (("auto", False), ("fixed", False), ("cost", True)):
+        proposer = Eagle3Proposer(again)
+        decoder = SimpleNamespace(proposers={"eagle3": proposer}, tree=None, gammas={"eagle3": 3})
+        cfg = load_config(None, [f"model.target={target4}", f"eval.schedule={schedule}"])
+        if refused:
+            with pytest.raises(StageError, match="eagle3's confidence head was never trained"):
+                _schedules(cfg, decoder, None, {}, [])
+            continue
+        tables, _ = _schedules(cfg, decoder, None, {}, [])
+        assert tables == {} and proposer.schedule is None and proposer.threshold is None
+
+
 def test_import_refuses_non_exports(tmp_path, target4):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
