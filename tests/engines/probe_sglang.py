@@ -14,8 +14,9 @@ Per eagle3/ directory:
    itself, i.e. the input of each of those decoder layers, in layer order (llama.py's layer loop), taken from the
    HF target's layer inputs that the test passes in; a layer >= L is never reached, so it is never captured.
 3. The class built in a single-process gloo world (`sglang.test.layer_ut_utils.init_single_process_dist`),
-   `load_weights` on model.safetensors (SGLang skips unknown names silently, so every parameter it did not fill is
-   listed), and forward: `model.model(tokens, positions, forward_batch)` then `lm_head`. Emulated: RadixAttention
+   `load_weights` on every weight file SGLang's own loader finds in the directory (`DefaultModelLoader.
+   _prepare_weights`, recorded as `weight_files`; SGLang skips unknown names silently, so every parameter it did
+   not fill is listed), and forward: `model.model(tokens, positions, forward_batch)` then `lm_head`. Emulated: RadixAttention
    replaced by causal SDPA over the same q/k/v (it needs a KV pool and an attention backend), every CustomOp on its
    `forward_native`, a stand-in ForwardBatch carrying only what the drafter reads (`spec_info.hidden_states`,
    `forward_mode.is_extend()`, `mm_input_embeds=None`, `contains_mm_inputs()`), the target's embedding copied in
@@ -78,6 +79,8 @@ def main(work: Path) -> None:
     port = s.getsockname()[1]
     s.close()
     init_single_process_dist(master_port=port)
+    # SGLang's weight-file discovery reads the server args only to gate a checksum check; no server runs here
+    loader_module.get_server_args = lambda: None
     target_classes = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
 
     manifest = json.loads((work / "manifest.json").read_text())
@@ -112,9 +115,7 @@ def main(work: Path) -> None:
             r["layers_to_capture"] = list(capture)
 
             model = cls(config)
-            # the weight files SGLang's own loader finds in the directory (its glob), all of them loaded; the server
-            # args it reads there only gate a checksum check, and no server runs here
-            loader_module.get_server_args = lambda: None
+            # the weight files SGLang's own loader finds in the directory (its glob), all of them loaded
             _, files, _ = loader_module.DefaultModelLoader(LoadConfig())._prepare_weights(str(d), None, True)
             r["weight_files"] = sorted(str(Path(f).relative_to(d)) for f in files)
             weights = {k: t for f in files for k, t in load_file(f).items()}

@@ -8,7 +8,8 @@ Per exported engine directory (eagle3/, speculators/, dspark/):
    `ModelConfig` of the resulting target and `SpeculativeConfig(**speculative_config)`: vLLM's config translation
    (EAGLEConfig for eagle3/, the speculators translation `update_eagle3` / `update_dspark` otherwise).
 2. `get_eagle3_aux_layers_from_config` (the layers the target will capture), the registry's class for the draft
-   architecture, the class built in a gloo world of size 1, `load_weights` on model.safetensors, and where every
+   architecture, the class built in a gloo world of size 1, `load_weights` on every weight file vLLM's own loader
+   finds in the directory (`DefaultModelLoader._prepare_weights`, recorded as `weight_files`), and where every
    exported tensor landed (q/k/v and gate/up are fused by vLLM).
 3. EAGLE-3 only: forward. vLLM's target model (Llama or Qwen3 class of vLLM, the target's safetensors through its
    load_weights) runs on the reference token ids with `set_aux_hidden_state_layers(<the ids of 2.>)`; its aux
