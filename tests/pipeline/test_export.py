@@ -253,6 +253,17 @@ def test_d2t_invariants_and_readme(target4, tmp_path):
     assert s["transformer_layer_config"]["vocab_size"] == 384
 
 
+def _ttt_side_by_side(ref, again):
+    """Three TTT steps of two EAGLE-3 drafters (a source and its round trip) on the same random features and tokens:
+    each one's [(logits, confidence logits)] per step."""
+    ref.eval(), again.eval()
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(2, 11, 3 * 64, generator=g).to(ref.fc.weight.dtype)
+    ids = torch.randint(0, 384, (2, 11), generator=g)
+    with torch.no_grad():
+        return ref.ttt_forward(aux, ids, 3), again.ttt_forward(aux, ids, 3)
+
+
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("num_layers", [1, 2])
@@ -260,13 +271,7 @@ def test_round_trip_is_bit_exact(target4, tmp_path, fmt, dtype, num_layers):
     model, path = _drafter(target4, tmp_path, num_layers)
     out = _export(target4, tmp_path, path, f"export.dtype={dtype}")
     again = import_drafter(out / fmt, embed_weight=model.embed_tokens.weight.detach())
-    ref = model.to(getattr(torch, dtype)).eval()
-    again.eval()
-    g = torch.Generator().manual_seed(0)
-    aux = torch.randn(2, 11, 3 * 64, generator=g).to(ref.fc.weight.dtype)
-    ids = torch.randint(0, 384, (2, 11), generator=g)
-    with torch.no_grad():
-        a, b = ref.ttt_forward(aux, ids, 3), again.ttt_forward(aux, ids, 3)
+    a, b = _ttt_side_by_side(model.to(getattr(torch, dtype)), again)
     for (la, _), (lb, _) in zip(a, b):
         assert torch.equal(la, lb)
 
@@ -297,16 +302,10 @@ def test_eagle3_round_trip_keeps_its_calibrated_confidence_head(target4, tmp_pat
     assert again.config.confidence_trained and again.config.confidence_temperatures == [0.5, 1.5, 2.0]
     assert again.config.confidence_biases == [-1.0, 0.0, 0.5]
     assert again.config.sampled_confidence_calibration == per_sampling
-    ref = model.to(getattr(torch, dtype)).eval()
-    again.eval()
-    g = torch.Generator().manual_seed(0)
-    aux = torch.randn(2, 11, 3 * 64, generator=g).to(ref.fc.weight.dtype)
-    ids = torch.randint(0, 384, (2, 11), generator=g)
-    with torch.no_grad():
-        a, b = ref.ttt_forward(aux, ids, 3), again.ttt_forward(aux, ids, 3)
+    a, b = _ttt_side_by_side(model.to(getattr(torch, dtype)), again)
     for i, ((_, ca), (_, cb)) in enumerate(zip(a, b)):
         for sampling in (0.0, 1.0):
-            assert torch.equal(ref.calibrated(ca, i, sampling), again.calibrated(cb, i, sampling))
+            assert torch.equal(model.calibrated(ca, i, sampling), again.calibrated(cb, i, sampling))
 
 
 def test_an_eagle3_export_without_a_confidence_head_is_drafted_at_fixed_gamma(target4, tmp_path):
