@@ -66,23 +66,16 @@ def main() -> None:
     from draftsmith.eval.proposers import NoDraft
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams
-    from draftsmith.pipeline.config import load_config
-    from draftsmith.pipeline.evaluate import eval_prompts
-    from draftsmith.pipeline.families import load_drafter
-    from draftsmith.pipeline.inputs import trained_drafter
-    from draftsmith.pipeline.target import load_target
+    from draftsmith.pipeline.evaluate import bench_inputs
 
-    cfg = load_config(args.config, [*args.overrides, f"eval.max_prompts_per_domain={args.per_domain}"])
-    if "eagle3" not in cfg.train.drafters:
-        raise SystemExit("bench_confidence scores an EAGLE-3 drafter; this run's train.drafters has none")
-    loaded = load_target(cfg.model)
+    # an EAGLE-3 drafter's (a run without one: bench_inputs says there is no trained drafter where it looked)
+    inputs = bench_inputs(args.config, args.overrides, args.per_domain, ["eagle3"])
+    cfg, loaded, prompts, drafter = inputs.cfg, inputs.target, inputs.prompts, inputs.drafters["eagle3"]
     tok, model = loaded.tokenizer, loaded.model
-    drafter = load_drafter(trained_drafter(cfg, loaded.identity, None, "eagle3")).to(loaded.device, model.dtype).eval()
     ids = draft_to_target_ids(drafter.d2t).to(loaded.device)
     plain = HFTarget(model, [], tok.pad_token_id or 0)
     hooked = HFTarget(model, drafter.config.aux_layer_ids, tok.pad_token_id or 0)
     slots: list[dict] = []  # per first slot: its domain, whether it was accepted, and each score (None: none yet)
-    prompts = eval_prompts(cfg, tok)
     template = _template_ends([p["ids"] for p in prompts])
     levels: list[dict] = []  # per prompt: what its own text says before decoding, and its answer's acceptance
     for index, prompt in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):

@@ -60,18 +60,14 @@ def main() -> None:
     from draftsmith.eval.proposers import NoDraft
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
-    from draftsmith.pipeline.config import load_config
-    from draftsmith.pipeline.evaluate import eval_prompts
-    from draftsmith.pipeline.families import get_family, load_drafter
-    from draftsmith.pipeline.inputs import trained_drafter
-    from draftsmith.pipeline.target import cache_root, load_target
+    from draftsmith.pipeline.evaluate import bench_inputs
+    from draftsmith.pipeline.families import get_family
+    from draftsmith.pipeline.target import cache_root
 
-    cfg = load_config(args.config, [f"eval.max_prompts_per_domain={args.per_domain}"])
-    target = load_target(cfg.model)
+    inputs = bench_inputs(args.config, [], args.per_domain, [args.drafter])
+    cfg, target, prompts, drafter = inputs.cfg, inputs.target, inputs.prompts, inputs.drafters[args.drafter]
     tok, model = target.tokenizer, target.model
-    prompts = eval_prompts(cfg, tok)
     family = get_family(args.drafter)
-    drafter = load_drafter(trained_drafter(cfg, target.identity, None, args.drafter)).to(target.device, model.dtype)
     gamma = cfg.eval.draft_length
 
     def configuration(kind: str):

@@ -65,11 +65,8 @@ def main() -> None:
     from draftsmith.eval.engine import decode
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams
-    from draftsmith.pipeline.config import load_config
-    from draftsmith.pipeline.evaluate import eval_prompts
-    from draftsmith.pipeline.families import get_family, load_drafter
-    from draftsmith.pipeline.inputs import trained_drafter
-    from draftsmith.pipeline.target import load_target
+    from draftsmith.pipeline.evaluate import bench_inputs
+    from draftsmith.pipeline.families import get_family
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
@@ -80,11 +77,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    cfg = load_config(args.config, [f"eval.max_prompts_per_domain={args.per_domain}", *args.overrides])
-    target = load_target(cfg.model)
+    inputs = bench_inputs(args.config, args.overrides, args.per_domain, [args.drafter])
+    cfg, target, drafter = inputs.cfg, inputs.target, inputs.drafters[args.drafter]
     tok, model = target.tokenizer, target.model
-    prompts = [p["ids"] for p in eval_prompts(cfg, tok)]
-    drafter = load_drafter(trained_drafter(cfg, target.identity, None, args.drafter)).to(target.device, model.dtype)
+    prompts = [p["ids"] for p in inputs.prompts]
     print(f"{args.drafter}, {len(prompts)} prompts, {args.max_new_tokens} greedy tokens each, one slot a drafted round")
     for n in [int(x) for x in args.every.split(",")]:
         proposer = get_family(args.drafter).proposer(drafter, cfg.eval)

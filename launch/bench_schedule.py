@@ -70,29 +70,22 @@ def main() -> None:
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams
     from draftsmith.eval.schedule import CostSchedule
-    from draftsmith.pipeline.config import load_config
-    from draftsmith.pipeline.evaluate import Decoder, eval_prompts, summarize
-    from draftsmith.pipeline.families import get_family, load_drafter
-    from draftsmith.pipeline.inputs import trained_drafter
-    from draftsmith.pipeline.target import cache_root, load_target
+    from draftsmith.pipeline.evaluate import Decoder, bench_inputs, summarize
+    from draftsmith.pipeline.families import get_family
+    from draftsmith.pipeline.target import cache_root
 
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     batches = [int(b) for b in args.batches.split(",") if b]
-    cfg = load_config(args.config, [*args.overrides, f"eval.max_prompts_per_domain={args.per_domain}"])
+    inputs = bench_inputs(args.config, args.overrides, args.per_domain)
+    cfg, target, prompts, families = inputs.cfg, inputs.target, inputs.prompts, inputs.drafters
+    tok, model = target.tokenizer, target.model
     out = args.out or cfg.run_path / "bench_schedule"
     out.mkdir(parents=True, exist_ok=True)
-    target = load_target(cfg.model)
-    tok, model = target.tokenizer, target.model
-    prompts = eval_prompts(cfg, tok)
     gamma = cfg.eval.draft_length
     schedules = tuple(args.schedules.split(","))
 
     # one proposer per (drafter, schedule) for the per-domain tables; the batch curve switches one per drafter
-    families, tables = {}, {}
-    for family in cfg.train.drafters:
-        families[family] = load_drafter(trained_drafter(cfg, target.identity, None, family)).to(
-            target.device, model.dtype
-        )
+    tables: dict = {}
     proposers = {"none": NoDraft()}
     for family, d in families.items():
         proposers[family] = get_family(family).proposer(d, cfg.eval)

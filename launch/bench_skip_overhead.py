@@ -18,11 +18,8 @@ from draftsmith.eval.proposers import NoDraft
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
 from draftsmith.eval.schedule import CostSchedule, CostTable
-from draftsmith.pipeline.config import load_config
-from draftsmith.pipeline.evaluate import eval_prompts
-from draftsmith.pipeline.families import get_family, load_drafter
-from draftsmith.pipeline.inputs import trained_drafter
-from draftsmith.pipeline.target import load_target
+from draftsmith.pipeline.evaluate import bench_inputs
+from draftsmith.pipeline.families import get_family
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("config")
@@ -34,18 +31,14 @@ ap.add_argument("--probe", action="store_true", help="also each drafter probed a
 ap.add_argument("--max-new-tokens", type=int, default=64)
 args = ap.parse_args()
 
-cfg = load_config(args.config, [f"eval.max_prompts_per_domain={args.per_domain}"])
-target = load_target(cfg.model)
+inputs = bench_inputs(args.config, [], args.per_domain)
+cfg, target, drafters = inputs.cfg, inputs.target, inputs.drafters
 tok, model = target.tokenizer, target.model
-prompts = [p["ids"] for p in eval_prompts(cfg, tok)]
+prompts = [p["ids"] for p in inputs.prompts]
 params = SamplingParams(temperature=args.temperature)
 # a draft round dearer than any gain: the schedule verifies no slot; its probe floor (100 / (0.02 * 1) rounds) is
 # capped by max_backoff, so `--probe` asks the drafter every 64 rounds, as eval's schedule does a drafter that never pays
 never = CostTable({1: {1: 1.0, 2: 100.0}}, {1: 1.0}, {1: 100.0})
-drafters = {
-    fam: load_drafter(trained_drafter(cfg, target.identity, None, fam)).to(target.device, model.dtype)
-    for fam in cfg.train.drafters
-}
 
 
 def configurations() -> dict:

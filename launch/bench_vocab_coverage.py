@@ -65,10 +65,8 @@ def coverage_by_size(
 def main() -> None:
     from safetensors.torch import load_file
 
-    from draftsmith.pipeline.config import load_config
-    from draftsmith.pipeline.evaluate import eval_prompts
+    from draftsmith.pipeline.evaluate import bench_inputs
     from draftsmith.pipeline.layout import RunLayout
-    from draftsmith.pipeline.target import load_target
     from draftsmith.pipeline.train import feature_source, token_counts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,8 +78,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="2048,4096,8192,16384")
     args = ap.parse_args()
 
-    cfg = load_config(args.config, [f"eval.max_prompts_per_domain={args.per_domain}", *args.overrides])
-    target = load_target(cfg.model)
+    inputs = bench_inputs(args.config, args.overrides, args.per_domain, [])  # the vocabulary's file, not a drafter
+    cfg, target = inputs.cfg, inputs.target
     tok, model = target.tokenizer, target.model
     vocab = model.config.vocab_size
     source, _, _ = feature_source(cfg, target.identity, model.config)
@@ -93,7 +91,7 @@ def main() -> None:
     )
 
     answers: dict[str, list[int]] = {}
-    for prompt in eval_prompts(cfg, tok):
+    for prompt in inputs.prompts:
         ids = torch.tensor([prompt["ids"]], device=target.device)
         with torch.no_grad():
             out = model.generate(

@@ -50,22 +50,18 @@ def main() -> None:
     from draftsmith.data.chat import stop_token_ids
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams
-    from draftsmith.pipeline.config import load_config
-    from draftsmith.pipeline.evaluate import Decoder, eval_prompts
-    from draftsmith.pipeline.families import get_family, load_drafter
-    from draftsmith.pipeline.inputs import trained_drafter
-    from draftsmith.pipeline.target import load_target
+    from draftsmith.pipeline.evaluate import Decoder, bench_inputs
+    from draftsmith.pipeline.families import get_family
 
-    cfg = load_config(args.config, [*args.overrides, f"eval.max_prompts_per_domain={args.per_domain}"])
+    inputs = bench_inputs(
+        args.config, args.overrides, args.per_domain, [f for f in args.drafters.split(",") if f] or None
+    )
+    cfg, target, prompts = inputs.cfg, inputs.target, inputs.prompts
+    tok, model = target.tokenizer, target.model
     out = args.out or cfg.run_path / "first_slots"
     out.mkdir(parents=True, exist_ok=True)
-    target = load_target(cfg.model)
-    tok, model = target.tokenizer, target.model
-    prompts = eval_prompts(cfg, tok)
-    families = [f for f in args.drafters.split(",") if f] or list(cfg.train.drafters)
     proposers = {}
-    for family in families:
-        drafter = load_drafter(trained_drafter(cfg, target.identity, None, family)).to(target.device, model.dtype)
+    for family, drafter in inputs.drafters.items():
         proposers[family] = get_family(family).proposer(drafter, cfg.eval)
         proposers[family].use("fixed")
     decoder = Decoder(
@@ -79,7 +75,7 @@ def main() -> None:
     )
     for temperature in [float(t) for t in args.temperatures.split(",") if t]:
         params = SamplingParams(temperature, cfg.eval.top_p, cfg.eval.top_k)
-        for family in families:
+        for family in proposers:
             slots = []
             for index, prompt in enumerate(tqdm(prompts, desc=f"{family} T={temperature:g}", unit="prompt")):
                 result = decoder.run([prompt], family, params, args.max_new_tokens)[0]

@@ -30,14 +30,14 @@ from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, derive_seed, make_generator
 from draftsmith.eval.schedule import CostTable, merge_corrections
 from draftsmith.pipeline.completion import clear, stage_inputs, write_progress
-from draftsmith.pipeline.config import RunConfig
+from draftsmith.pipeline.config import RunConfig, load_config
 from draftsmith.pipeline.console import console
 from draftsmith.pipeline.dist import dist_state
 from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.families import get_family, load_drafter
 from draftsmith.pipeline.inputs import trained_drafter
 from draftsmith.pipeline.layout import RunLayout
-from draftsmith.pipeline.target import cache_root, load_target
+from draftsmith.pipeline.target import Target, cache_root, load_target
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,35 @@ def eval_prompts(cfg: RunConfig, tok) -> list[dict[str, Any]]:
         if n == 0:
             raise StageError(f"eval source {src.name} yielded no prompt (counts: {dict(counts)})")
     return prompts
+
+
+@dataclass
+class BenchInputs:
+    """What a bench of a run's trained drafters on its eval prompts starts from (`bench_inputs`)."""
+
+    cfg: RunConfig
+    target: Target
+    prompts: list[dict[str, Any]]
+    """Eval's prompts, as `eval_prompts` gives them (id, domain, ids)."""
+    drafters: dict[str, Any]
+    """family -> its trained drafter of the run, on the target's device and dtype, in eval mode."""
+
+
+def bench_inputs(
+    config: str | Path, overrides: list[str], per_domain: int, families: list[str] | None = None
+) -> BenchInputs:
+    """The setup the launch/ benches share: the run's config (`overrides` applied, then
+    eval.max_prompts_per_domain = `per_domain`: the bench's own flag wins), its target, the eval prompts, and the
+    trained drafter of each of `families` (None: the run's train.drafters; [] loads none)."""
+    cfg = load_config(config, [*overrides, f"eval.max_prompts_per_domain={per_domain}"])
+    target = load_target(cfg.model)
+    drafters = {
+        family: load_drafter(trained_drafter(cfg, target.identity, None, family))
+        .to(target.device, target.model.dtype)
+        .eval()
+        for family in (cfg.train.drafters if families is None else families)
+    }
+    return BenchInputs(cfg, target, eval_prompts(cfg, target.tokenizer), drafters)
 
 
 def _proposers(cfg: RunConfig, target, drafter: str | None, tree: TreeSpec | None):
