@@ -119,6 +119,22 @@ def _extra_step_seconds(long, short, extra: int, device: torch.device, repeats: 
     return statistics.median(longs) / extra
 
 
+GEN_PROBE_STEPS = 24
+"""New tokens the generation probe's long call makes beyond its short one (`generation_step_seconds`). With 6, the
+difference of two calls (0.9 and 0.3 s at the demo's batch of 32 on a 2-core Xeon) was about as large as their
+jitter (the same short call took 0.26-0.38 s in one process): six pairs of one process read 65-103 ms per token
+where 30 more tokens read 71-80, and of six demo runs, the two whose probe read 57-58 ms generated at the speed of
+those that read 82-101, planned twice the data they should have, and overran the 25 minutes (docs/benchmarks.md,
+2026-12-07). 24 steps cost about 5 s more of the probe."""
+
+
+def generation_step_seconds(generate, device: torch.device, repeats: int) -> float:
+    """Seconds per new token of batched generation: `generate(n)` is a call that makes n new tokens; the probe is the
+    difference of a long call and a short one (`_extra_step_seconds`), `GEN_PROBE_STEPS` tokens apart, so the
+    prompt's prefill and the call's fixed work drop out."""
+    return _extra_step_seconds(generate(2 + GEN_PROBE_STEPS), generate(2), GEN_PROBE_STEPS, device, repeats)
+
+
 def measure_probes(
     model, cfg: RunConfig, aux_ids: list[int], load: float, repeats: int = 3, steps: int = 6, train_repeats: int = 5
 ) -> Probes:
@@ -151,7 +167,7 @@ def measure_probes(
                 pad_token_id=pad,
             )
 
-        gen_step = _extra_step_seconds(generate(2 + steps), generate(2), steps, device, repeats)
+        gen_step = generation_step_seconds(generate, device, repeats)
         prompt = tokens(2, 256)
         prefill = _timed(lambda: model(input_ids=prompt, use_cache=False), device, repeats)
         # eval's passes: one token (plain decoding, and the drafters' prefill of verified tokens) and 1+5 tokens (a
