@@ -126,3 +126,23 @@ def save_tiny_target(out_dir: str | Path, seed: int = 0, num_layers: int = 2, hi
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def write_two_domain_chats(path: Path, n: int = 8) -> Path:
+    """n one-turn chats as a JSONL data source, alternately in the domains "math" and "code" (`domain_field:
+    category`), questions of one to three repeats and a repeated answer: eval's and the benches' tiny data."""
+    import json
+
+    rows = [
+        {
+            "id": f"q{i}",
+            "category": ["math", "code"][i % 2],
+            "messages": [
+                {"role": "user", "content": f"Question {i}: what is {i} plus one? " * (1 + i % 3)},
+                {"role": "assistant", "content": f"The answer is {i + 1}. The answer is {i + 1}."},
+            ],
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -16,7 +16,7 @@ from draftsmith.pipeline.errors import StageError
 from draftsmith.pipeline.evaluate import bench_inputs
 from draftsmith.pipeline.prepare import run_prepare
 from draftsmith.pipeline.train import run_train
-from tests.tiny import save_tiny_target
+from tests.tiny import save_tiny_target, write_two_domain_chats
 
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 
@@ -27,23 +27,7 @@ def trained_run(tmp_path_factory) -> Path:
     inside (two of the benches take no overrides: they are pointed at a finished run's config.yaml)."""
     tmp_path = tmp_path_factory.mktemp("bench-run")
     target = save_tiny_target(tmp_path / "target", seed=0, num_layers=4)
-    data = tmp_path / "chat.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "id": f"q{i}",
-                    "category": ["math", "code"][i % 2],
-                    "messages": [
-                        {"role": "user", "content": f"Question {i}: what is {i} plus one?"},
-                        {"role": "assistant", "content": f"The answer is {i + 1}. The answer is {i + 1}."},
-                    ],
-                }
-            )
-            + "\n"
-            for i in range(8)
-        )
-    )
+    data = write_two_domain_chats(tmp_path / "chat.jsonl")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
         f"run_dir: {tmp_path / 'run'}\n"

@@ -16,28 +16,12 @@ from draftsmith.pipeline.collect import run_collect
 from draftsmith.pipeline.config import load_config
 from draftsmith.pipeline.prepare import run_prepare
 from draftsmith.pipeline.train import run_train
-from tests.tiny import save_tiny_target
+from tests.tiny import save_tiny_target, write_two_domain_chats
 
 
 def test_eval_stage(tmp_path):
     target = save_tiny_target(tmp_path / "target", seed=0, num_layers=4)
-    data = tmp_path / "chat.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "id": f"q{i}",
-                    "category": ["math", "code"][i % 2],
-                    "messages": [
-                        {"role": "user", "content": f"Question {i}: what is {i} plus one? " * (1 + i % 3)},
-                        {"role": "assistant", "content": f"The answer is {i + 1}. The answer is {i + 1}."},
-                    ],
-                }
-            )
-            + "\n"
-            for i in range(8)
-        )
-    )
+    data = write_two_domain_chats(tmp_path / "chat.jsonl")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
         f"model: {{target: {target}, dtype: float64}}\n"
