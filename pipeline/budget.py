@@ -124,7 +124,7 @@ GEN_PROBE_STEPS = 24
 difference of two calls (0.9 and 0.3 s at the demo's batch of 32 on a 2-core Xeon) was about as large as their
 jitter (the same short call took 0.26-0.38 s in one process): six pairs of one process read 65-103 ms per token
 where 30 more tokens read 71-80, and of six demo runs, the two whose probe read 57-58 ms generated at the speed of
-those that read 82-101, planned twice the data they should have, and overran the 25 minutes (docs/benchmarks.md,
+those that read 82-101, planned 1.6-1.7x the data that fit, and overran the 25 minutes (docs/benchmarks.md,
 2026-12-07). 24 steps cost about 5 s more of the probe."""
 
 

@@ -234,8 +234,8 @@ def test_the_generation_probe_reads_the_step_through_the_jitter_of_a_busy_2_core
     """On the demo's 2-core Xeon a call of transformers' generate at batch 32 took about 0.25 s + 80 ms per new token,
     give or take 60 ms a call (the same 2-token call: 0.26-0.38 s in one process). Scripted on that machine, the
     generation probe must read the 80 ms step within 15% in at least 95% of 200 seeded draws. Six steps apart (the
-    probe before `GEN_PROBE_STEPS`), 76-84% did over three seeds (24 apart: 99-100%), and the demo planned twice the
-    data on a low one."""
+    probe before `GEN_PROBE_STEPS`), 76-84% did over three seeds (24 apart: 99-100%), and the demo planned 1.7x the
+    data that fit on a low one."""
     import random
     import types
 
