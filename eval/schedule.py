@@ -16,20 +16,24 @@ at all when even its first does not pay: the round is a plain target step for it
 step, the next depth's gain is predicted from each admitted row's survival times its latest confidence, and drafting
 stops when that cannot pay for the step and the wider pass.
 
-Before a round, whether to run the drafter at all: from each row's first-slot confidence of the last round it
-drafted (one round old), drafting pays when those predicted first slots raise the rate above a plain step's. A
-round that does not draft costs the drafter nothing (EAGLE-3 catches up on the verified slots in one pass when it
-next drafts), and the drafter is asked again after n, 2n, 4n, ... such rounds to refresh its confidences, n chosen
-so that these probes cost at most a small share (`probe_share`) of the time they save. Nothing one round old tells
-whether the next first slot will be accepted (on the demo's EAGLE-3, every such score ranked it at chance:
-launch/bench_confidence.py): all this decision can use is a level. A row's last first-slot confidence, calibrated,
-adds only noise to it; replayed on a table where drafting pays, the skips it caused cost 2% at T = 1 against a
-decision from the pooled share of first slots accepted alone (launch/replay_schedule.py). That decision alone, run
-on the machine, starved: DSpark's admission turned down every slot at T = 1, so no first slot was verified, the share
-stayed at its prior and every round paid a draft round (0.88x; docs/benchmarks.md). (A new decode's rows, which have
-no confidence yet, are predicted at `first_slot_rate`, which counts the slots turned down too.) The last
-confidence is at least the admission's own. Each row's own level within its decode was tried and not kept either: a
-64-token decode is too short to tell a prompt's level from a streak (replayed, it lost 1.0% where drafting pays).
+Before a round, whether to run the drafter at all: from each row's level, the chance that its next first slot is
+accepted (`row_level`: the mean confidence of the first slots drafted so far times the row's own calibration), drafting
+pays when those predicted first slots raise the rate above a plain step's. A round that does not draft costs the
+drafter nothing (EAGLE-3 catches up on the verified slots in one pass when it next drafts), and the drafter is asked
+again after n, 2n, 4n, ... such rounds, n chosen so that these probes cost at most a small share (`probe_share`) of
+the time they save. Nothing known before a round tells whether its first slot will be accepted: on the demo's
+EAGLE-3, every such score (the last first slot's confidence, its top-1 probability, its fate) ranked it at chance
+(launch/bench_confidence.py). So the decision goes by a level, and by each row's own (`row_ratio`), weighted by how
+far decoded rows were seen to differ. Until then it decided from each row's last first-slot confidence: a block
+drafter's spreads (DSpark's, 0.05 to 0.4 around a mean of 0.19), and each low one stopped drafting for the backoff's
+rounds where drafting paid; replayed over the demo's logged first slots, deciding from the level ran 1.054x and
+1.069x of plain decoding with DSpark at T = 0 and 1, against 1.018x and 1.038x, and EAGLE-3's flat confidences
+(0.15-0.18) came out level (launch/replay_schedule.py; docs/benchmarks.md, "Deciding to draft from a row's level").
+A level is read off `level_slots` first slots at least before it may stop the drafter. (A decision from the pooled
+level was run on the machine once before, and starved: admission then turned down every DSpark slot at T = 1, no
+first slot was verified, the level stayed at its prior and every round paid a draft round, 0.88x. Admission now
+counts the round's draft as paid, so a drafted round verifies its first slot unless it is near hopeless, and the
+slots it turns down count toward the level too.)
 
 The table is measured once, in a minute of the machine's life, and a 2-core machine shared with others is not the
 same machine a minute later (on one AMD EPYC the same plain batch-4 pass was timed at 57, 76 and 82 ms in three
@@ -191,6 +195,22 @@ class CostSchedule:
     0.26-0.27 for its first slots in every domain, and had 9% of them accepted in extraction and 24% in roleplay and
     STEM; priced by the pooled calibration, spread over `memory_rounds` rounds of earlier prompts, it drafted nearly
     every round of extraction at 0.97x of plain decoding, and DSpark every round of coding (8% accepted) at 0.90x."""
+    decide_by_level = True
+    """Whether the decision to draft predicts a row's next first slot from its level (`row_level`: the mean
+    first-slot confidence times the row's own calibration) rather than from its last first-slot confidence. A round's
+    confidence is read after its draft; the next round's decision can only use an older one, and over 2,268 first
+    slots of the demo's EAGLE-3 the last first slot's confidence ranked the next one's fate at chance (AUC 0.49). Read
+    at face value, one low confidence turned drafting off for the backoff's 6-64 rounds where the row's drafts paid on
+    average (docs/benchmarks.md, "Deciding to draft from a row's level")."""
+    level_slots = 16
+    """First slots a sampling regime drafts before its level (`first_slot_rate`, `row_level`) may stop drafting (each
+    predicted at 1 until then, as before any: a round drafts wherever a sure first slot would pay, so a table where
+    none can never drafts): a level read off fewer is one prompt's luck. DSpark's first slot of the demo's first eval prompt had
+    a confidence of 0.06, against a mean of 0.19 over the eval (17.5% accepted, paying from 10%); its level, that one
+    confidence, stopped the drafter, and the probes (after 5, 10, 20, 40, then every 64 skipped rounds) added a slot at
+    a time too rarely to lift it: replayed in eval's order, 5 first slots verified in 1,100 rounds, 0.999x of plain
+    decoding where drafting every round gave 1.064x. Counted per regime and never faded; at most this many draft rounds
+    of a drafter that does not pay (a few hundredths of a second)."""
     row_rows = 8
     """Decoded rows with verified first slots from which the spread of rows' own ratios sets the weight (`row_weight`);
     the last `row_memory` are kept."""
@@ -226,6 +246,7 @@ class CostSchedule:
     accepted: list[float]
     verified: list[float]
     declined: list[float]
+    slots: int
     decoded: list[tuple[float, float]]
     row_weight_now: float | None
 
@@ -269,6 +290,7 @@ class CostSchedule:
             "accepted": [],
             "verified": [],
             "declined": [0.0, 0.0],
+            "slots": 0,
             "decoded": [],
             "row_weight_now": None,
         }
@@ -289,6 +311,7 @@ class CostSchedule:
     def observe(self, confidences: list[list[float]], accepted: list[int]) -> None:
         """A verified round: row b drafted with confidences `confidences[b]` and had `accepted[b]` drafts accepted."""
         for b, (confs, n) in enumerate(zip(confidences, accepted)):
+            self.slots += bool(confs)
             mine = self.row_sums.setdefault(b, ([], []))
             survival = 1.0
             for i, c in enumerate(confs):
@@ -361,11 +384,18 @@ class CostSchedule:
         1), a drafter whose every first slot admission declined verified none, its rate stayed at its prior of 1, and
         every new decode's first round caught up on its prompt only to decline again (DSpark on an AMX Xeon: one of
         its ~9 ms catch-ups per decode, with no slot verified)."""
+        return self.row_level(None)
+
+    def row_level(self, b: int | None) -> float:
+        """The chance that row b's next first slot is accepted, before it is drafted: the mean confidence of the first
+        slots drafted so far (verified or turned down) times the row's own calibration (`row_ratio`; the pooled
+        `ratio` for b None, or before the row has verified first slots of its own); 1 before any slot (draft, to
+        learn)."""
         confidence = (self.predicted[0] if self.verified else 0.0) + self.declined[0]
         drafted = (self.verified[0] if self.verified else 0.0) + self.declined[1]
         if not drafted:
             return 1.0
-        return min(confidence / drafted * self.ratio(0), 1.0)
+        return min(confidence / drafted * (self.ratio(0) if b is None else self.row_ratio(0, b)), 1.0)
 
     def reset(self) -> None:
         """A new decode: no rounds skipped yet. The backoff is kept, like the online calibration: a drafter that did
@@ -383,13 +413,15 @@ class CostSchedule:
         self.row_sums = {}
 
     def worth_drafting(self, c0: torch.Tensor | Sequence[float], active: torch.Tensor | Sequence[bool]) -> bool:
-        """Whether this round runs the drafter at all, from each row's first-slot confidence of the last round it
-        drafted (`c0` [B]; NaN before any: `first_slot_rate` then): drafting pays when the rows' predicted first
-        slots raise the rate above a plain step's. A round that does not draft skips all drafter work; after
-        `backoff` such rounds the drafter is asked again (doubling while it keeps not paying, up to `max_backoff`),
-        so a row whose text turns predictable is noticed. Only the rows' own confidences reset the backoff: a new
-        decode drafted on the pooled `first_slot_rate` does not, so a drafter that stopped paying on the last prompts
-        is not probed from scratch on every new one.
+        """Whether this round runs the drafter at all, from each active row's level (`row_level`; with
+        `decide_by_level` off, its first-slot confidence of the last round it drafted, `c0` [B], times its
+        calibration; NaN in `c0`: the row has not drafted in this decode, and is predicted at `first_slot_rate`):
+        drafting pays when the rows' predicted first slots raise the rate above a plain step's. Until the regime has
+        seen `level_slots` first slots, each is predicted at 1 (a round drafts wherever a sure first slot would pay). A round that does not draft skips all drafter work;
+        after `backoff` such rounds the drafter is asked again (doubling while it keeps not paying, up to
+        `max_backoff`), so a row whose text turns predictable is noticed. Only the rows that drafted in this decode
+        reset the backoff: a new decode drafted on the pooled `first_slot_rate` does not, so a drafter that stopped
+        paying on the last prompts is not probed from scratch on every new one.
 
         Runs every round, drafted or not, so it is plain Python over at most a few numbers per row: a skipped round
         should cost what a plain step costs."""
@@ -397,12 +429,16 @@ class CostSchedule:
         batch, n = len(rows), sum(rows)
         self._fade()
         pooled = self.first_slot_rate()
+        # until a level can be told from luck, every row's first slot is predicted at 1, as before any was seen
+        learning = self.slots < self.level_slots
         seen = new = 0.0  # predicted first slots of the rows that drafted before, and of the new rows
         for b, (c, a) in enumerate(zip(c0.tolist() if isinstance(c0, torch.Tensor) else c0, rows)):
             if a and math.isnan(c):
-                new += pooled
+                new += 1.0 if learning else pooled
+            elif a and learning:
+                seen += 1.0
             elif a:
-                seen += min(c * self.row_ratio(0, b), 1.0)
+                seen += self.row_level(b) if self.decide_by_level else min(c * self.row_ratio(0, b), 1.0)
         plain_step = self.verify_time(1, batch)
         plain = n / plain_step
         pass_cost = self.round_time(batch) + self.verify_time(2, batch)
@@ -628,6 +664,7 @@ class CostSchedule:
             for b in taken[best:]:
                 self.declined[0] += float(raw[b])
                 self.declined[1] += 1.0
+                self.slots += 1
         if self.last is not None:  # depth i was drafted (admitted or not): i steps past the round's first
             self.last = (self.batch, self.width, i)
         # another depth: each admitted row's next slot survives with about its survival times its latest confidence

@@ -31,9 +31,14 @@ from pathlib import Path
 
 AGAIN = "none/again"
 """Plain decoding run a second time, after every other configuration of the prompt (an A/A comparison)."""
-VARIANTS = {"cost-pooled": ("cost", {"row_prior": None})}
+VARIANTS = {
+    "cost-pooled": ("cost", {"row_prior": None}),
+    "cost-last": ("cost", {"decide_by_level": False, "level_slots": 0}),
+}
 """Schedules of this bench only, for a side-by-side comparison: name -> (eval schedule, CostSchedule attributes set).
-`cost-pooled` is the cost schedule calibrated by its pooled ratio alone, without each row's own (`row_prior`)."""
+`cost-pooled` is the cost schedule calibrated by its pooled ratio alone, without each row's own (`row_prior`);
+`cost-last` decides whether to draft from each row's last first-slot confidence, from the first slot on (the rule
+before 2026-12-07: `decide_by_level`, `level_slots`)."""
 
 
 def main() -> None:

@@ -9,13 +9,14 @@ greedy continuation, with the drafter's calibrated confidence and whether the ta
 `launch/log_first_slots.py`'s (decoded live, any drafter and temperature, one slot per round: its fates are replayed
 as logged, a slot per round replayed), the table is the one `launch/bench_schedule.py` printed and saved. Each prompt
 is decoded round by round as the engine does: the schedule
-decides from the row's last first-slot confidence whether to draft; a drafted round costs the table's draft round and
+decides from the row's level whether to draft (`CostSchedule.row_level`; or, the rule before 2026-12-07, from its last
+first-slot confidence); a drafted round costs the table's draft round and
 admits the first slot or not; an admitted slot is accepted as the target would (a round then commits two tokens and
 moves two slots on), and the schedule observes it; a round costs the table's pass at its width. Only the first slot is
 replayed (a second slot survived in under 2% of the demo's fixed-γ rounds), the table is taken as exact (the schedule's
 own timing corrections are off) and a catch-up costs a draft round. Prints, per domain and overall, the speedup over
-plain decoding and the slots drafted and accepted, for the cost schedule (with each row's own calibration, and with
-the pooled one alone), drafting every round, and an oracle that knows
+plain decoding and the slots drafted and accepted, for the cost schedule (with each row's own calibration, with
+the pooled one alone, and deciding from the last confidence), drafting every round, and an oracle that knows
 each prompt's acceptance beforehand and drafts every round of the prompts where that pays (the best any rule deciding
 from a level could do). The schedule carries what it learns from one prompt to the next, so the order matters: the table
 is for eval's order (domain by domain), and `--orders` more replays in shuffled orders give each policy's overall
@@ -65,13 +66,19 @@ def main() -> None:
     on = torch.tensor([True])
 
     def replay(
-        always: bool = False, oracle: bool = False, pooled: bool = False, order: list[int] | None = None
+        always: bool = False,
+        oracle: bool = False,
+        pooled: bool = False,
+        last: bool = False,
+        order: list[int] | None = None,
     ) -> dict[str, list[float]]:
         """Per domain: [tokens, seconds, drafted, accepted] over its prompts, decoded in `order` (eval's: sorted) by
         one schedule (`pooled`: calibrated by its pooled ratio alone, without each row's own)."""
         s = CostSchedule(table, learn_costs=False)
         if pooled:
             s.row_prior = None
+        if last:  # the rule before 2026-12-07 (`cost-last` in launch/bench_schedule.py)
+            s.decide_by_level, s.level_slots = False, 0
         out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
         for index in order or sorted(prompts):
             slots = prompts[index]
@@ -114,6 +121,7 @@ def main() -> None:
         "every round": dict(always=True),
         "cost schedule": {},
         "pooled calibration alone": dict(pooled=True),
+        "decided by the last confidence": dict(last=True),
         "oracle (per prompt)": dict(oracle=True),
     }
     policies = {name: replay(**kw) for name, kw in runs.items()}

@@ -27,6 +27,16 @@ TABLE = CostTable(
 )
 
 
+def by_last_confidence(table: CostTable, learn_costs: bool = True) -> CostSchedule:
+    """A schedule that decides whether to draft from each row's last first-slot confidence, from the first slot on
+    (`decide_by_level` off, `level_slots` 0: `cost-last` in launch/bench_schedule.py). The tests of the backoff, the
+    probes and the timing corrections script "drafting pays" and "it does not" through that confidence, a round at a
+    time; what they test does not depend on where the prediction comes from."""
+    s = CostSchedule(table, learn_costs)
+    s.decide_by_level, s.level_slots = False, 0
+    return s
+
+
 def test_admission_follows_the_rate():
     """One row: slot 0 pays when (1 + s) / (0.1 + 1.3) >= 1 / (0.1 + 1.0), i.e. s >= 0.273."""
     s = CostSchedule(TABLE)
@@ -52,23 +62,76 @@ def test_rounds_without_drafting_back_off_and_probe_again():
     fewest rounds whose plain steps make a probe's draft round at most `probe_share` of their time."""
     low, on = torch.tensor([0.01], dtype=torch.float64), torch.tensor([True])
     cheap = CostTable(verify=TABLE.verify, draft_step=TABLE.draft_step, draft_round={1: 0.001, 4: 0.001})
-    s = CostSchedule(cheap)  # a round costs 0.1% of a plain step: n = 1
+    s = by_last_confidence(cheap)  # a round costs 0.1% of a plain step: n = 1
     decisions = [s.worth_drafting(low, on) for _ in range(16)]
     assert [i for i, d in enumerate(decisions) if d] == [1, 4, 9]  # after 1 skipped round, then 2, then 4
     assert s.probes == {1: 3}  # counted for the report
     assert s.worth_drafting(torch.tensor([0.9], dtype=torch.float64), on)  # paying again: drafts, backoff reset
     assert s.backoff == 1
-    s = CostSchedule(TABLE)  # a round costs 10% of a plain step: n = 0.1 / 0.02 = 5
+    s = by_last_confidence(TABLE)  # a round costs 10% of a plain step: n = 0.1 / 0.02 = 5
     decisions = [s.worth_drafting(low, on) for _ in range(40)]
     assert [i for i, d in enumerate(decisions) if d] == [5, 16, 37]  # after 5, then 10, then 20 skipped rounds
     s.max_backoff = 8
     s.reset()  # a new decode keeps the backoff (20, capped at 8 from now on)
     decisions = [s.worth_drafting(low, on) for _ in range(20)]
     assert [i for i, d in enumerate(decisions) if d] == [8, 17]  # never more than max_backoff skipped in a row
-    s = CostSchedule(TABLE)
+    s = by_last_confidence(TABLE)
     s.max_backoff = 8
     decisions = [s.worth_drafting(low, on) for _ in range(20)]
     assert [i for i, d in enumerate(decisions) if d] == [5, 14]
+
+
+# DSpark's costs in the demo's bench (plain pass 49.7 ms, two slots wide 50.3, block round 4.5), in plain passes: a
+# first slot pays from (1.012 + 0.09) / 1.0 - 1 = 10.2% acceptance
+BLOCK_TABLE = CostTable(verify={1: {1: 1.0, 2: 1.012}}, draft_step={1: 0.012}, draft_round={1: 0.09})
+
+
+def _first_slots_verified(s: CostSchedule, slots: list[tuple[float, int]], rounds: int) -> int:
+    """One row decoded for `rounds` rounds, as launch/replay_schedule.py replays a log: each round the schedule
+    decides whether to draft; a drafted round's first slot is the next of `slots` ((confidence, accepted), in the order
+    drafted, cycled), admitted or not, and observed when verified. The first slots verified."""
+    on, ones = torch.tensor([True]), torch.ones(1, dtype=torch.float64)
+    c0 = torch.tensor([math.nan], dtype=torch.float64)  # what the proposer keeps: the last drafted first slot's
+    s.reset()
+    drafted = verified = 0
+    for _ in range(rounds):
+        if not s.worth_drafting(c0, on):
+            continue
+        conf, hit = slots[drafted % len(slots)]
+        drafted += 1
+        c0 = torch.tensor([conf], dtype=torch.float64)
+        s.begin(on)
+        if s.admit(0, c0, ones, on).any():
+            s.observe([[conf]], [hit])
+            verified += 1
+    return verified
+
+
+def test_a_row_whose_level_pays_drafts_whatever_its_last_confidence_said():
+    """First-slot confidences that spread (0.02 and 0.38 in turn, a mean of 0.2) but rank nothing: one slot in five is
+    accepted whatever its confidence (the demo's drafters: the last first slot's confidence ranked the next one's
+    fate at chance, AUC 0.49). Drafting pays (20% against 10.2%), and a decision from the row's level drafts every
+    round of 400. From the last confidence (the mutation, `decide_by_level` off), each 0.02 stops the drafter until a
+    probe (after 5 skipped rounds, then 10, ...): it verified 125."""
+    slots = [(0.02 if i % 2 else 0.38, int(i % 5 == 0)) for i in range(10)]
+    assert _first_slots_verified(CostSchedule(BLOCK_TABLE, learn_costs=False), slots, 400) == 400
+    last = CostSchedule(BLOCK_TABLE, learn_costs=False)
+    last.decide_by_level = False
+    assert _first_slots_verified(last, slots, 400) < 200
+
+
+def test_a_few_low_first_confidences_do_not_stop_a_drafter_before_it_has_a_level():
+    """A drafter whose first four first slots say 0.05 and fail, and whose later ones say 0.2 and are accepted one in
+    five (paying from 10.2%): its level is drawn from `level_slots` first slots before it may stop drafting, so it
+    drafts nearly all of 300 rounds. Drawn from whatever it has seen (the mutation, `level_slots` 0), the first one
+    (0.05) stops it, each probe adds one slot, and the level stays under the break-even for about 140 rounds: 161
+    verified (DSpark in the demo's eval order, replayed: 5 first slots verified in 1,100 rounds, 0.999x of plain
+    decoding where drafting every round ran 1.064x)."""
+    slots = [(0.05, 0)] * 4 + [(0.2, int(i % 5 == 0)) for i in range(1000)]
+    assert _first_slots_verified(CostSchedule(BLOCK_TABLE, learn_costs=False), slots, 300) >= 290
+    hasty = CostSchedule(BLOCK_TABLE, learn_costs=False)
+    hasty.level_slots = 0
+    assert _first_slots_verified(hasty, slots, 300) < 200
 
 
 def test_a_new_decode_drafted_on_the_pooled_first_slot_rate_keeps_the_backoff():
@@ -77,7 +140,7 @@ def test_a_new_decode_drafted_on_the_pooled_first_slot_rate_keeps_the_backoff():
     saying it pays does): its next probe waits as long as it would have, rather than n, 2n, ... from scratch."""
     low, new = (torch.tensor([x], dtype=torch.float64) for x in (0.01, float("nan")))
     on = torch.tensor([True])
-    s = CostSchedule(TABLE)  # n = 5 (a draft round costs 10% of a plain step)
+    s = by_last_confidence(TABLE)  # n = 5 (a draft round costs 10% of a plain step)
     decisions = [s.worth_drafting(low, on) for _ in range(40)]
     assert [i for i, d in enumerate(decisions) if d] == [5, 16, 37] and s.backoff == 40
     s.reset()
@@ -113,23 +176,25 @@ def test_the_schedule_corrects_overconfident_drafts_from_verified_rounds():
 
 def test_a_stretch_of_failed_drafts_fades_and_drafting_resumes():
     """After 40 first slots predicted 0.5 with one in ten accepted (ratio 8 / 24), a row of a new decode (no evidence
-    of its own, `row_ratio`) whose confidence is 0.7 does not draft (0.7 / 3 = 0.23; a round drafts when (1 + s) / (0.1 + 1.3) >= 1 / 1.0, s >= 0.4). Rounds that verify
-    nothing make that evidence fade (each round times 1 - 1/memory_rounds) until 0.7 (4 + 4f) / (4 + 20f) >= 0.4, at
-    f <= 0.2308: about 1.47 * memory_rounds rounds later the row drafts every round again. Without fading it would
-    only ever be probed."""
+    of its own, `row_ratio`) is priced at the mean first-slot confidence times that ratio, 0.5 / 3 = 0.17, whatever its
+    own last confidence (0.7), and does not draft (a round drafts when (1 + s) / (0.1 + 1.3) >= 1 / 1.0, s >= 0.4).
+    Rounds that verify nothing make that evidence fade (each round times 1 - 1/memory_rounds) until
+    0.5 (4 + 4f) / (4 + 20f) >= 0.4, at f <= 1/15: about 2.7 * memory_rounds rounds later the row drafts every round
+    again. Without fading it would only ever be probed."""
     on, c = torch.tensor([True]), torch.tensor([0.7], dtype=torch.float64)
     s = CostSchedule(TABLE)
     for r in range(40):
         s.observe([[0.5]], [1 if r % 10 == 0 else 0])
     s.reset()
     assert not s.worth_drafting(c, on)
-    decisions = [s.worth_drafting(c, on) for _ in range(1500)]
+    decisions = [s.worth_drafting(c, on) for _ in range(1600)]
     resumed = next(i for i in range(len(decisions)) if all(decisions[i:]))
-    f = (4 - 0.4 / 0.7 * 4) / (0.4 / 0.7 * 20 - 4)  # the fraction of the evidence left when drafting pays again
+    f = (4 - 0.4 / 0.5 * 4) / (0.4 / 0.5 * 20 - 4)  # the fraction of the evidence left when drafting pays again
     expected = math.log(f) / math.log(1 - 1 / s.memory_rounds) - 1  # (the first call above faded once)
     assert abs(resumed - expected) < 2, (resumed, expected)
-    # before: probes only (after 5, 10, 20, 40 skipped rounds, then every 64); after: its own confidence pays
-    assert sum(decisions[:resumed]) <= 16 and s.backoff == 1
+    # before: probes only (after 5, 10, 20, 40 skipped rounds, then every 64); after: the level pays
+    probes = 4 + (resumed - 5 - 10 - 20 - 40 - 4) // 65 + 1
+    assert sum(decisions[:resumed]) <= probes and s.backoff == 1
 
 
 def _rows_drafting(s: CostSchedule, conf: list[float], hits: list[list[int]]) -> list[int]:
@@ -173,15 +238,16 @@ def test_a_prompt_whose_drafts_fail_stops_drafting_within_its_decode():
 
 
 def test_rows_of_one_batch_are_calibrated_apart():
-    """Two rows saying the same 0.5 every round, one accepted half the time and one a tenth: after 60 rounds (9 slots
-    verified per row before drafting stopped paying for the pair) the first row alone still makes a round worth
+    """Two rows saying the same 0.5 every round, one accepted three times in four and one a tenth: after 60 rounds (11
+    slots verified per row: 8 rounds drafted to read a level off `level_slots` first slots, and 3 more before drafting
+    stopped paying for the pair) the first row alone still makes a round worth
     drafting and the second alone does not, where one pooled ratio would price both alike. (Once a round drafts, a
     batch's second slot at a depth rides in the padded pass: admission then takes both.)"""
     s = CostSchedule(TABLE)
     s.row_prior = 4.0  # (no decode before this one: the weight is `row_prior`)
-    hits = [[1 if r % 2 == 0 else 0 for r in range(60)], [1 if r % 10 == 0 else 0 for r in range(60)]]
-    _rows_drafting(s, [0.5, 0.5], hits)
-    assert s.row_ratio(0, 0) > 0.9 and s.row_ratio(0, 1) < 0.7
+    hits = [[1 if r % 4 != 3 else 0 for r in range(60)], [1 if r % 10 == 0 else 0 for r in range(60)]]
+    assert _rows_drafting(s, [0.5, 0.5], hits) == [11, 11]
+    assert s.row_ratio(0, 0) > 1.1 and s.row_ratio(0, 1) < 0.5  # (1.19 and 0.48; pooled 0.87)
     c = torch.tensor([0.5, 0.5], dtype=torch.float64)
     assert s.worth_drafting(c, torch.tensor([True, False]))
     assert not s.worth_drafting(c, torch.tensor([False, True]))
@@ -212,7 +278,7 @@ def test_the_weight_of_a_rows_own_slots_follows_how_far_decoded_rows_differ():
     spread (100 - 15) / 400 = 0.2125 beyond chance, weight 0.75 / 0.2125; fewer than `row_rows` rows: none (the weight
     is `row_prior`).
     A decode's rows are added when the next decode starts."""
-    s = CostSchedule(TABLE)
+    s = CostSchedule(BLOCK_TABLE)  # where a first slot at the mean confidence, 0.25, pays: its rows draft
     s.predicted, s.accepted, s.verified = [100.0], [100.0], [400.0]
     s.decoded = [(20.0, 20.0)] * (s.row_rows - 1)
     assert s.row_weight() is None  # `row_prior` is the weight
@@ -255,10 +321,10 @@ def test_the_schedule_corrects_a_table_that_makes_drafting_look_cheap():
     those 8 rounds the wider pass stands at what its 3 pairs with a plain one show (+0.46 each over 0.04, shrunk by 2
     pairs), above the mean of its 2 rounds (+0.46 each, shrunk by 2 rounds)."""
     cheap = CostTable(verify={1: {1: 1.0, 2: 1.04}}, draft_step={1: 0.01}, draft_round={1: 0.02})
-    s = CostSchedule(cheap)
+    s = by_last_confidence(cheap)
     assert [_round(s, 0.2, 1.0, 1.5, 0.02) for _ in range(8)] == [1, 0, 1, 0, 0, 0, 0, 0]
     assert s.verify_time(2, 1) == pytest.approx(1.04 + 3 * 0.46 / 5) and s.verify_time(1, 1) == 1.0
-    fixed = CostSchedule(cheap, learn_costs=False)
+    fixed = by_last_confidence(cheap, learn_costs=False)
     assert [_round(fixed, 0.2, 1.0, 1.5, 0.02) for _ in range(20)] == [1] * 20
 
 
@@ -298,7 +364,7 @@ def test_a_catch_up_sets_how_long_a_probe_waits_not_what_drafting_costs():
     the plain rounds it takes to time the plain pass, which catch up on one skipped round and take 0.1), it drafts
     every other round, and the catch-ups lengthen the wait before a probe instead."""
     table = CostTable(verify={1: {1: 1.0, 2: 1.05}}, draft_step={1: 0.01}, draft_round={1: 0.1})
-    s = CostSchedule(table)
+    s = by_last_confidence(table)
     on, c = torch.tensor([True]), torch.tensor([0.3], dtype=torch.float64)
     slots, behind = [], True  # the proposer's rule: behind when the prompt or a skipped round is pending
     for _ in range(13):
@@ -396,7 +462,7 @@ def test_wider_passes_timed_below_the_table_never_make_drafting_look_free():
     least the table's 0.1 above plain, drafting stops once the draft rounds' cost shows
     (0.02 + 0.08 n / (n + 2) + 1.1 > 1.15 from n = 2)."""
     table = CostTable(verify={1: {1: 1.0, 2: 1.1}}, draft_step={1: 0.01}, draft_round={1: 0.02})
-    s = CostSchedule(table)
+    s = by_last_confidence(table)
     slots = [_round(s, 0.15, 0.85, 0.95, 0.1) for _ in range(6)]
     assert slots == [1, 1, 0, 0, 0, 0], slots
     assert s.verify_time(2, 1) - s.verify_time(1, 1) == pytest.approx(0.1)  # the plain passes since: both lower
@@ -419,16 +485,16 @@ def test_a_schedule_that_drafts_every_round_times_the_plain_pass_too():
     def run(s: CostSchedule, conf: float) -> list[int]:
         return [_round(s, conf, 0.70, 0.78, 0.05) for _ in range(80)]
 
-    s = CostSchedule(table)
+    s = by_last_confidence(table)
     slots = run(s, 0.1)
     assert s.checks == {1: 1} and slots[:5] == [1, 1, 1, 1, 0] and sum(slots[5:15]) <= 2, slots
     probes = [i for i in range(15, 80) if slots[i]]
     assert len(probes) <= 4 and all(b - a > 4 for a, b in zip(probes, probes[1:])), slots  # the backoff doubles
     assert s.verify_time(1, 1) == pytest.approx(0.70, abs=0.01)  # the skipped rounds since: plain passes too
-    unchecked = CostSchedule(table)
+    unchecked = by_last_confidence(table)
     unchecked.check_every = 10**9
     assert run(unchecked, 0.1) == [1] * 80
-    sure = CostSchedule(table)  # drafting pays by far more than check_margin: no plain round is taken
+    sure = by_last_confidence(table)  # drafting pays by far more than check_margin: no plain round is taken
     assert run(sure, 0.9) == [1] * 80 and not sure.checks
 
 
@@ -442,7 +508,7 @@ def test_a_machine_that_speeds_up_after_the_plain_passes_were_timed_does_not_mak
     difference, as on one AMD EPYC at T = 1, 0.96x of plain decoding); paired a round apart, the increment stays the
     table's 0.07 and it drafts only to probe."""
     table = CostTable(verify={1: {1: 1.0, 2: 1.07}}, draft_step={1: 0.05}, draft_round={1: 0.1})
-    s = CostSchedule(table)
+    s = by_last_confidence(table)
     slow = [_round(s, 0.3, 1.10, 1.17, 0.1) for _ in range(80)]
     assert s.checks == {1: 16} and sum(slow) == 64
     assert all(_round(s, 0.3, 0.90, 0.97, 0.1) for _ in range(300))
@@ -468,7 +534,7 @@ def test_pairs_of_rounds_that_time_a_wider_pass_dearer_than_the_table_raise_its_
     (1.08 / (0.05 + 1.26) against 1 / 1.18), so the schedule drafts only to probe. With the pairs taken only to lower
     the increment (the mutation: as it was), the table's flat increment stands and it drafts every round."""
     table = CostTable(verify={1: {1: 1.0, 2: 1.0}}, draft_step={1: 0.05}, draft_round={1: 0.05})
-    s = CostSchedule(table)
+    s = by_last_confidence(table)
     slow = [_round(s, 0.3, 1.2, 1.3, 0.05) for _ in range(80)]
     assert s.checks == {1: 16} and sum(slow) == 64
     assert all(_round(s, 0.3, 0.9, 1.0, 0.05) for _ in range(300))
@@ -489,7 +555,7 @@ def test_wider_passes_timed_in_a_slow_spell_do_not_keep_drafting_off_once_pairs_
     plain pass at 0.92 and the schedule never drafts again (0 of 200; EAGLE-3 at T = 0 on an AMX Xeon, τ 1.00 over a
     whole bench after a slow first minute); with the pairs alone it drafts in at least 195 of them (all 200 here)."""
     table = CostTable(verify={1: {1: 1.0, 2: 1.0}}, draft_step={1: 0.05}, draft_round={1: 0.1})
-    s = CostSchedule(table)
+    s = by_last_confidence(table)
     slow = [_round(s, 0.15, 1.3, 1.45, 0.1) for _ in range(30)]
     assert 2 <= sum(slow) <= 8 and s.corrections()[1]["increment"]["excess_s"] == pytest.approx(0.15), slow
     assert sum(_round(s, 0.1, 0.9, 0.92, 0.1) for _ in range(200)) <= 8
@@ -511,20 +577,20 @@ def test_a_table_that_makes_a_wider_pass_too_dear_is_corrected_by_timing_one():
     With a table that is right (wider passes do take 1.12), one exploring slot shows it and none follows; where the
     slot would cost more than `explore_margin` of the round's rate, none is verified."""
     dear = CostTable(verify={1: {1: 1.0, 2: 1.12}}, draft_step={1: 0.07}, draft_round={1: 0.02})
-    s = CostSchedule(dear)
+    s = by_last_confidence(dear)
     slots = [_round(s, 0.1, 1.0, 1.0, 0.02) for _ in range(120)]
     assert s.explores == {1: 1} and sum(slots) >= 90 and slots[-30:] == [1] * 30, slots
     assert s.verify_time(2, 1) == pytest.approx(1.0, abs=0.02)
     assert s.corrections()[1]["wide"]["explores"] == 1
-    never = CostSchedule(dear)
+    never = by_last_confidence(dear)
     never.explore_rounds = 0
     assert sum(_round(never, 0.1, 1.0, 1.0, 0.02) for _ in range(120)) == 0
-    right = CostSchedule(dear)
+    right = by_last_confidence(dear)
     assert sum(_round(right, 0.1, 1.0, 1.12, 0.02) for _ in range(120)) == 1 and right.explores == {1: 1}
     assert right.verify_time(2, 1) == pytest.approx(1.12)
     # where a second slot costs 62% more (fp32 on an AVX2-only EPYC), verifying one at 0.1 would cost a third of the
     # round's rate ((1.1) / 1.64 against 1 / 1.02): beyond `explore_margin`, so none is verified to time it
-    steep = CostSchedule(CostTable(verify={1: {1: 1.0, 2: 1.62}}, draft_step={1: 0.07}, draft_round={1: 0.02}))
+    steep = by_last_confidence(CostTable(verify={1: {1: 1.0, 2: 1.62}}, draft_step={1: 0.07}, draft_round={1: 0.02}))
     assert sum(_round(steep, 0.1, 1.0, 1.62, 0.02) for _ in range(120)) == 0 and not steep.explores
 
 
@@ -716,14 +782,17 @@ def test_a_new_decode_predicts_its_first_slot_from_the_first_slots_verified_so_f
 
 def test_first_slots_admission_turns_down_teach_the_rate_a_new_decode_is_predicted_at():
     """A drafter whose every first slot admission declines (confidence 0.05 where slot 0 pays from 0.273) has none
-    verified; its declined slots count at their confidence, so after one of them a new decode's first round is a
-    plain step, not a draft round that catches up on the prompt only to decline its slot again."""
+    verified; its declined slots count at their confidence, so once it has a level (`level_slots` first slots) a new
+    decode's first round is a plain step, not a draft round that catches up on the prompt only to decline its slot
+    again."""
     new, low = (torch.tensor([x], dtype=torch.float64) for x in (float("nan"), 0.05))
     on = torch.tensor([True])
     s = CostSchedule(TABLE)
-    s.begin(on)
-    assert not s.admit(0, low, torch.ones(1, dtype=torch.float64), on).any()  # one drafted round, its slot declined
-    s.reset()
+    for _ in range(s.level_slots):  # drafted rounds (new decodes' first), each slot declined
+        assert s.worth_drafting(new, on)  # too few first slots for a level yet: draft, to learn
+        s.begin(on)
+        assert not s.admit(0, low, torch.ones(1, dtype=torch.float64), on).any()
+        s.reset()
     assert not s.worth_drafting(new, on)
     for _ in range(30):  # more drafted rounds (probes, new decodes' first), each slot declined
         s.begin(on)
@@ -854,7 +923,7 @@ def test_the_report_gives_the_acceptance_the_schedule_weighs_a_first_slot_agains
     assert first_slot_break_even({1: 0.040}, 0.004) == "-"
     on = torch.tensor([True])
     for c, drafts in ((0.151, True), (0.149, False)):
-        s = CostSchedule(table, learn_costs=False)
+        s = by_last_confidence(table, learn_costs=False)
         assert s.worth_drafting(torch.tensor([c], dtype=torch.float64), on) is drafts, c
     md = cost_tables_markdown({"eagle3": {**asdict(table), "cached": False}})
     assert "| a first slot pays from |" in md and "| 15% acceptance |" in md
