@@ -28,7 +28,9 @@ far decoded rows were seen to differ. Until then it decided from each row's last
 drafter's spreads (DSpark's, 0.05 to 0.4 around a mean of 0.19), and each low one stopped drafting for the backoff's
 rounds where drafting paid; replayed over the demo's logged first slots, deciding from the level ran 1.054x and
 1.069x of plain decoding with DSpark at T = 0 and 1, against 1.018x and 1.038x, and EAGLE-3's flat confidences
-(0.15-0.18) came out level (launch/replay_schedule.py; docs/benchmarks.md, "Deciding to draft from a row's level").
+(0.15-0.18) came out level (launch/replay_schedule.py). Side by side on the machine, where the timings put DSpark's
+break-even nearer its acceptance than the table did, the two rules came out level for both drafters (docs/benchmarks.md,
+"Deciding to draft from a row's level").
 A level is read off `level_slots` first slots at least before it may stop the drafter. (A decision from the pooled
 level was run on the machine once before, and starved: admission then turned down every DSpark slot at T = 1, no
 first slot was verified, the level stayed at its prior and every round paid a draft round, 0.88x. Admission now
@@ -203,14 +205,14 @@ class CostSchedule:
     at face value, one low confidence turned drafting off for the backoff's 6-64 rounds where the row's drafts paid on
     average (docs/benchmarks.md, "Deciding to draft from a row's level")."""
     level_slots = 16
-    """First slots a sampling regime drafts before its level (`first_slot_rate`, `row_level`) may stop drafting (each
-    predicted at 1 until then, as before any: a round drafts wherever a sure first slot would pay, so a table where
-    none can never drafts): a level read off fewer is one prompt's luck. DSpark's first slot of the demo's first eval prompt had
-    a confidence of 0.06, against a mean of 0.19 over the eval (17.5% accepted, paying from 10%); its level, that one
-    confidence, stopped the drafter, and the probes (after 5, 10, 20, 40, then every 64 skipped rounds) added a slot at
-    a time too rarely to lift it: replayed in eval's order, 5 first slots verified in 1,100 rounds, 0.999x of plain
-    decoding where drafting every round gave 1.064x. Counted per regime and never faded; at most this many draft rounds
-    of a drafter that does not pay (a few hundredths of a second)."""
+    """First slots a sampling regime drafts before its level (`first_slot_rate`, `row_level`) may stop drafting: each
+    is predicted at 1 until then, as before any, so a round drafts wherever a sure first slot would pay (and a table
+    where none can never drafts). A level read off fewer is one prompt's luck: DSpark's first slot of the demo's first
+    eval prompt had a confidence of 0.06 (and 0.06 again at its first probe), against a mean of 0.19 over the eval
+    (17.5% accepted, paying from 10%); that level stopped the drafter, and the probes (after 5, 10, 20, 40, then every
+    64 skipped rounds) added a slot at a time too rarely to lift it: replayed in eval's order, 5 first slots verified
+    in 1,100 rounds, 0.999x of plain decoding where drafting every round gave 1.064x. Counted per regime and never
+    faded; it costs at most this many draft rounds of a drafter that does not pay (under 0.1 s at the demo's costs)."""
     row_rows = 8
     """Decoded rows with verified first slots from which the spread of rows' own ratios sets the weight (`row_weight`);
     the last `row_memory` are kept."""
@@ -417,11 +419,12 @@ class CostSchedule:
         `decide_by_level` off, its first-slot confidence of the last round it drafted, `c0` [B], times its
         calibration; NaN in `c0`: the row has not drafted in this decode, and is predicted at `first_slot_rate`):
         drafting pays when the rows' predicted first slots raise the rate above a plain step's. Until the regime has
-        seen `level_slots` first slots, each is predicted at 1 (a round drafts wherever a sure first slot would pay). A round that does not draft skips all drafter work;
-        after `backoff` such rounds the drafter is asked again (doubling while it keeps not paying, up to
-        `max_backoff`), so a row whose text turns predictable is noticed. Only the rows that drafted in this decode
-        reset the backoff: a new decode drafted on the pooled `first_slot_rate` does not, so a drafter that stopped
-        paying on the last prompts is not probed from scratch on every new one.
+        seen `level_slots` first slots, each is predicted at 1 (a round drafts wherever a sure first slot would pay).
+        A round that does not draft skips all drafter work; after `backoff` such rounds the drafter is asked again
+        (doubling while it keeps not paying, up to `max_backoff`), so a row whose text turns predictable is noticed.
+        Only the rows that drafted in this decode reset the backoff: a new decode drafted on the pooled
+        `first_slot_rate` does not, so a drafter that stopped paying on the last prompts is not probed from scratch
+        on every new one.
 
         Runs every round, drafted or not, so it is plain Python over at most a few numbers per row: a skipped round
         should cost what a plain step costs."""
