@@ -24,13 +24,13 @@ again after n, 2n, 4n, ... such rounds, n chosen so that these probes cost at mo
 the time they save. Nothing known before a round tells whether its first slot will be accepted: on the demo's
 EAGLE-3, every such score (the last first slot's confidence, its top-1 probability, its fate) ranked it at chance
 (launch/bench_confidence.py). So the decision goes by a level, and by each row's own (`row_ratio`), weighted by how
-far decoded rows were seen to differ. Until then it decided from each row's last first-slot confidence: a block
-drafter's spreads (DSpark's, 0.05 to 0.4 around a mean of 0.19), and each low one stopped drafting for the backoff's
-rounds where drafting paid; replayed over the demo's logged first slots, deciding from the level ran 1.054x and
+far decoded rows were seen to differ. Until 2026-12-07 it decided from each row's last first-slot confidence. A block
+drafter's spread (DSpark's, 0.05 to 0.4 around a mean of 0.19), and each low one stopped drafting for the backoff's
+rounds where drafting paid: replayed over the demo's logged first slots, deciding from the level ran 1.054x and
 1.069x of plain decoding with DSpark at T = 0 and 1, against 1.018x and 1.038x, and EAGLE-3's flat confidences
 (0.15-0.18) came out level (launch/replay_schedule.py). Side by side on the machine, where the timings put DSpark's
-break-even nearer its acceptance than the table did, the two rules came out level for both drafters (docs/benchmarks.md,
-"Deciding to draft from a row's level").
+break-even nearer its acceptance than the table did, the two rules came out level for both drafters
+(docs/benchmarks.md, "Deciding to draft from a row's level").
 A level is read off `level_slots` first slots at least before it may stop the drafter. (A decision from the pooled
 level was run on the machine once before, and starved: admission then turned down every DSpark slot at T = 1, no
 first slot was verified, the level stayed at its prior and every round paid a draft round, 0.88x. Admission now
