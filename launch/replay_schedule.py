@@ -2,7 +2,7 @@
 target: what the rule (`eval.schedule.CostSchedule`) gains at batch 1 with the noise of a shared machine taken out.
 
     python launch/replay_schedule.py RUN/bench_confidence/bench_confidence.json RUN/bench_paired/bench_schedule.json
-        [--drafter eagle3] [--orders 20] [--temperature 0]
+        [--drafter eagle3] [--orders 20] [--temperature 0] [--timed]
 
 The slots are `launch/bench_confidence.py`'s (every first slot of the eval prompts, teacher-forced over the target's
 greedy continuation, with the drafter's calibrated confidence and whether the target accepts it) or
@@ -25,6 +25,14 @@ T = 1 (`acceptance_t1`, drawn
 once per slot from a seeded generator, the same draws for every policy), on the greedy continuation's prefixes (the text
 a T = 1 decode samples differs: the demo's EAGLE-3 had a 12.3% chance here, 14.2% of its first slots accepted in a
 T = 1 bench).
+
+The table is measured in a minute of the machine's life, and a bench runs on a machine that has changed since: on an
+AMX Xeon, the demo's DSpark table put a plain pass at 49.7 ms and a first slot's break-even at 10%, while the bench's
+rounds timed plain passes 1.2-9.6 ms under it. With `--timed` the replay prices rounds as the bench's own cost schedule
+timed them at that temperature (`corrections` of `DRAFTER/cost` in bench_schedule.json, batch 1): the table's passes
+plus the mean plain-pass excess, its wider passes plus the increment its neighbouring rounds timed, its draft round plus
+the draft rounds' excess. The bench saves those means cumulatively over its temperatures, so a temperature's own are
+the difference from the one before. A regime whose schedule timed no round of a kind keeps the table's there.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ def main() -> None:
     ap.add_argument("--drafter", default="eagle3")
     ap.add_argument("--orders", type=int, default=20, help="replays in shuffled prompt orders (seeded)")
     ap.add_argument("--temperature", type=int, choices=(0, 1), default=0)
+    ap.add_argument(
+        "--timed", action="store_true", help="price rounds as the bench's cost schedule timed them (its corrections)"
+    )
     args = ap.parse_args()
 
     import random
@@ -53,7 +64,11 @@ def main() -> None:
     raw = json.loads(args.slots.read_text())
     if "slots" not in raw:
         raise SystemExit(f"{args.slots} has no slots: run launch/bench_confidence.py again")
-    table = CostTable.from_dict(json.loads(args.costs.read_text())["costs"][args.drafter])
+    record = json.loads(args.costs.read_text())
+    table = CostTable.from_dict(record["costs"][args.drafter])
+    timed = ""
+    if args.timed:
+        table, timed = timed_table(table, record, args.drafter, float(args.temperature))
     plain, wide, draft = table.verify_time(1, 1), table.verify_time(2, 1), table.round_time(1)
     pays_from = (wide + draft) / plain - 1
     draws = random.Random(0)
@@ -135,6 +150,7 @@ def main() -> None:
         f"\n{args.drafter} first slots replayed at T = {args.temperature}, batch 1, on the table: "
         f"plain {plain * 1e3:.1f} ms, 2 wide "
         f"{wide * 1e3:.1f} ms, draft round {draft * 1e3:.1f} ms (a first slot pays from {pays_from:.0%} acceptance)"
+        + timed
     )
     print("| domain | accepted | " + " | ".join(policies) + " |")
     print("|---|---|" + "---|" * len(policies))
@@ -162,6 +178,46 @@ def main() -> None:
                 f"| {name} | {sum(ups) / len(ups):.3f}x [{min(ups):.3f}, {max(ups):.3f}] | "
                 f"{sum(worst) / len(worst):.3f}x [{min(worst):.3f}, {max(worst):.3f}] |"
             )
+
+
+def timed_table(table, record: dict, drafter: str, temperature: float):
+    """(the table corrected by what `drafter`'s cost schedule timed at batch 1 in the bench's regime at
+    `temperature`, a sentence saying by how much). The bench saves each regime's corrections cumulatively (a mean
+    over every round so far), so this regime's are the difference from the run before it."""
+    from draftsmith.eval.schedule import CostTable
+
+    before: dict = {}
+    now: dict = {}
+    for run in record.get("per_domain", []):
+        now = run.get("corrections", {}).get(f"{drafter}/cost", {}).get("1", {})
+        if run["temperature"] == temperature:
+            break
+        before = now
+    else:
+        now = {}
+    if not now:
+        raise SystemExit(f"--timed: the bench has no {drafter}/cost rounds at T = {temperature:g}")
+
+    def total(c: dict | None) -> float:
+        return c["excess_s"] * c["rounds"] if c else 0.0
+
+    own = {}
+    for kind in ("plain", "increment", "draft"):
+        rounds = (now.get(kind) or {}).get("rounds", 0) - (before.get(kind) or {}).get("rounds", 0)
+        own[kind] = ((total(now.get(kind)) - total(before.get(kind))) / rounds if rounds else 0.0, rounds)
+    (p, n_p), (i, n_i), (d, n_d) = own["plain"], own["increment"], own["draft"]
+    verify = {w: t + p + (i if w > 1 else 0.0) for w, t in table.verify[1].items()}
+    corrected = CostTable(
+        verify={1: verify},
+        draft_step={1: table.step_time(1)},
+        draft_round={1: table.round_time(1) + d},
+        key=table.key,
+    )
+    said = (
+        f"; as the bench's rounds at T = {temperature:g} timed it: plain {p * 1e3:+.1f} ms over {n_p:g} rounds, the "
+        f"wider pass's increment {i * 1e3:+.1f} ms over {n_i:g} pairs, draft round {d * 1e3:+.1f} ms over {n_d:g}"
+    )
+    return corrected, said
 
 
 if __name__ == "__main__":

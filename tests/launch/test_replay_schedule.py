@@ -5,6 +5,8 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "replay_schedule.py"
 
 
@@ -56,3 +58,47 @@ def test_slots_logged_per_round_are_replayed_one_per_round(tmp_path, monkeypatch
         easy = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| easy"))
         verified[by] = easy.split(" | ")[2].strip(" |")
     assert verified == {"round": "1.538x (10/10)", None: "1.538x (5/5)"}
+
+
+def test_timed_replays_price_rounds_as_the_benchs_schedule_timed_that_temperature(tmp_path, monkeypatch, capsys):
+    """With `--timed`, the table is corrected by what the bench's `DRAFTER/cost` schedule timed at batch 1 in the
+    replayed temperature's regime. The bench saves those means cumulatively over temperatures: at T = 0 plain passes
+    +0.1 s over 10 rounds; through T = 1, +0.3 s over 30 (so T = 1's own 20 rounds: +0.4), the increment of a wider
+    pass +0.1 over 4 pairs (T = 1's own 2: +0.2), draft rounds +0.05 over 20, none at T = 0. At T = 1 a plain pass
+    then costs 1.4 s, two wide 1.2 + 0.4 + 0.2 = 1.8 and a draft round 0.15: a first slot pays from 39%. Read
+    cumulatively (the regime's own rounds not taken apart) it would say 1.3 and 1.6."""
+    slots = [{"domain": "easy", "prompt": 0, "head": 0.9, "accepted": 1.0, "acceptance_t1": 1.0} for _ in range(10)]
+    (tmp_path / "slots.json").write_text(json.dumps({"slots": slots, "by": "round"}))
+    table = {"verify": {"1": {"1": 1.0, "2": 1.2}}, "draft_step": {"1": 0.05}, "draft_round": {"1": 0.1}}
+    at = lambda excess, rounds: {"excess_s": excess, "rounds": rounds}  # noqa: E731
+    runs = [
+        {"temperature": 0.0, "corrections": {"eagle3/cost": {"1": {"plain": at(0.1, 10), "increment": at(0.0, 2)}}}},
+        {
+            "temperature": 1.0,
+            "corrections": {
+                "eagle3/cost": {"1": {"plain": at(0.3, 30), "increment": at(0.1, 4), "draft": at(0.05, 20)}}
+            },
+        },
+    ]
+    (tmp_path / "costs.json").write_text(json.dumps({"costs": {"eagle3": table}, "per_domain": runs}))
+    argv = [str(SCRIPT), str(tmp_path / "slots.json"), str(tmp_path / "costs.json"), "--orders", "0", "--timed"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--temperature", "1"])
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "plain 1400.0 ms, 2 wide 1800.0 ms, draft round 150.0 ms (a first slot pays from 39% acceptance)" in out
+    assert "plain +400.0 ms over 20 rounds, the wider pass's increment +200.0 ms over 2 pairs" in out
+    # every round drafted and accepted: 2 tokens per 1.95 s against 1 per 1.4
+    easy = next(line for line in out.splitlines() if line.startswith("| easy"))
+    assert easy.split(" | ")[2].strip(" |") == "1.436x (10/10)"
+    # a temperature the bench did not run is an error naming it, not a replay on the bare table
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], "--timed", "--temperature", "1"])
+    (tmp_path / "costs.json").write_text(json.dumps({"costs": {"eagle3": table}, "per_domain": runs[:1]}))
+    with pytest.raises(SystemExit, match="no eagle3/cost rounds at T = 1"):
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    # nor is a bench whose cost schedule ran another drafter
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], "--timed", "--drafter", "eagle3", "--temperature", "0"])
+    (tmp_path / "costs.json").write_text(
+        json.dumps({"costs": {"eagle3": table}, "per_domain": [{**runs[0], "corrections": {}}]})
+    )
+    with pytest.raises(SystemExit, match="no eagle3/cost rounds at T = 0"):
+        runpy.run_path(str(SCRIPT), run_name="__main__")
