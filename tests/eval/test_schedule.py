@@ -72,9 +72,9 @@ def test_rounds_without_drafting_back_off_and_probe_again():
     decisions = [s.worth_drafting(low, on) for _ in range(40)]
     assert [i for i, d in enumerate(decisions) if d] == [5, 16, 37]  # after 5, then 10, then 20 skipped rounds
     s.max_backoff = 8
-    s.reset()  # a new decode keeps the backoff (20, capped at 8 from now on)
+    s.reset()  # a new decode keeps the backoff (20, capped at 8 from now on) and the 2 rounds skipped since round 37
     decisions = [s.worth_drafting(low, on) for _ in range(20)]
-    assert [i for i, d in enumerate(decisions) if d] == [8, 17]  # never more than max_backoff skipped in a row
+    assert [i for i, d in enumerate(decisions) if d] == [6, 15]  # never more than max_backoff skipped in a row
     s = by_last_confidence(TABLE)
     s.max_backoff = 8
     decisions = [s.worth_drafting(low, on) for _ in range(20)]
@@ -149,6 +149,30 @@ def test_a_new_decode_drafted_on_the_pooled_first_slot_rate_keeps_the_backoff():
     decisions = [s.worth_drafting(low, on) for _ in range(45)]
     assert [i for i, d in enumerate(decisions) if d] == [40]
     assert s.worth_drafting(torch.tensor([0.9], dtype=torch.float64), on) and s.backoff == 1  # its own: reset
+
+
+def test_a_drafter_is_asked_again_every_max_backoff_rounds_across_decodes_shorter_than_that():
+    """Decodes of 40 rounds, a drafter whose first slots say 0.05 and are never accepted (on DSpark's costs: a probe
+    waits 5 rounds, then 10, 20, 40, then `max_backoff`, 64). The rounds skipped since the last probe are counted
+    across decodes, so it is asked again every 64 rounds: in the last 10 decodes, 400 rounds, 6 times. Counted from 0
+    at every decode (the mutation: `reset` zeroes `skipped`), once the backoff outgrew a decode it was never asked
+    again (DSpark at T = 1 in a bench of 64-token answers: no slot drafted through 8 domains)."""
+    low, on = torch.tensor([0.05], dtype=torch.float64), torch.tensor([True])
+    s = CostSchedule(BLOCK_TABLE, learn_costs=False)
+    asked = []
+    for _ in range(20):
+        s.reset()
+        c0 = torch.tensor([math.nan], dtype=torch.float64)
+        drafted = 0
+        for _ in range(40):
+            if s.worth_drafting(c0, on):
+                c0, drafted = low, drafted + 1
+                s.begin(on)
+                if s.admit(0, low, torch.ones(1, dtype=torch.float64), on).any():
+                    s.observe([[0.05]], [0])
+        asked.append(drafted)
+    assert sum(asked[10:]) == 6  # 400 rounds, a probe after every 64 skipped (the 65th round)
+    assert s.backoff == s.max_backoff == 64
 
 
 def test_the_schedule_corrects_overconfident_drafts_from_verified_rounds():
