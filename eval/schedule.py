@@ -272,17 +272,16 @@ class CostSchedule:
     @staticmethod
     def _learned() -> dict[str, Any]:
         """What a schedule learns from the rounds it decides, before any: the backoff and the rounds skipped since
-        the last probe (kept across decodes: `reset`); per batch size, (sum of
-        measured − table, rounds) of plain passes, wider passes, the increment of neighbouring ones, draft rounds of
-        one depth, the further depths of deeper ones (per depth) and catch-ups, the plain rounds taken in place of
-        drafted ones to time it (`checks`), the rounds that asked a drafter that did not pay again (`probes`), the
-        slots verified only to time a wider pass (`explores`) and the last pass timed (`previous`: plain/wide,
-        excess); and the online calibration, per depth i: the predicted survival Σ c_0...c_i of the slots verified so
-        far, how many of them were accepted and how many verified, and (Σ confidence, count) of the first slots
-        admission turned down (`declined`, for `first_slot_rate`) (kept across decodes, fading over `memory_rounds`
-        rounds: only rounds already verified count, never this one's); the (predicted, accepted) first slots of the
-        rows decoded so far (`decoded`) and the weight they set for a row's own slots (`row_weight_now`, `row_weight`;
-        None before any decode)."""
+        the last probe (kept across decodes: `reset`); per batch size, (sum of measured − table, rounds) of plain
+        passes, wider passes, the increment of neighbouring ones, draft rounds of one depth, the further depths of
+        deeper ones (per depth) and catch-ups, the plain rounds taken in place of drafted ones to time it (`checks`),
+        the rounds that asked a drafter that did not pay again (`probes`), the slots verified only to time a wider
+        pass (`explores`) and the last pass timed (`previous`: plain/wide, excess); and the online calibration, per
+        depth i: the predicted survival Σ c_0...c_i of the slots verified so far, how many of them were accepted and
+        how many verified, and (Σ confidence, count) of the first slots admission turned down (`declined`, for
+        `first_slot_rate`) (kept across decodes, fading over `memory_rounds` rounds: only rounds already verified
+        count, never this one's); the (predicted, accepted) first slots of the rows decoded so far (`decoded`) and
+        the weight they set for a row's own slots (`row_weight_now`, `row_weight`; None before any decode)."""
         return {
             "backoff": 1,
             "skipped": 0,
