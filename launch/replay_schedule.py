@@ -186,17 +186,12 @@ def timed_table(table, record: dict, drafter: str, temperature: float):
     over every round so far), so this regime's are the difference from the run before it."""
     from draftsmith.eval.schedule import CostTable
 
-    before: dict = {}
-    now: dict = {}
-    for run in record.get("per_domain", []):
-        now = run.get("corrections", {}).get(f"{drafter}/cost", {}).get("1", {})
-        if run["temperature"] == temperature:
-            break
-        before = now
-    else:
-        now = {}
-    if not now:
+    runs = record.get("per_domain", [])
+    said_by = [run.get("corrections", {}).get(f"{drafter}/cost", {}).get("1", {}) for run in runs]
+    at = next((k for k, run in enumerate(runs) if run["temperature"] == temperature), None)
+    if at is None or not said_by[at]:
         raise SystemExit(f"--timed: the bench has no {drafter}/cost rounds at T = {temperature:g}")
+    now, before = said_by[at], said_by[at - 1] if at else {}
 
     def total(c: dict | None) -> float:
         return c["excess_s"] * c["rounds"] if c else 0.0
