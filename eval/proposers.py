@@ -226,7 +226,7 @@ class TrainedProposer(NoDraft):
         is told the sampling first: what it learns is kept per sampling (`CostSchedule.regime`)."""
         if self.schedule is None:
             return False
-        self.schedule.regime("greedy" if params.greedy else (params.temperature, params.top_p, params.top_k))
+        self.schedule.regime(params.regime)
         return not self.schedule.worth_drafting(self.c0, active)
 
     def _chain(self, k: int, active, params, generators, step) -> Proposal:

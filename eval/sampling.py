@@ -24,6 +24,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def regime(self) -> str | tuple[float, float, int]:
+        """The key a cost schedule keeps what it learns under (`CostSchedule.regime`): "greedy", or the temperature,
+        top-p and top-k (top-p and top-k do not change greedy decoding)."""
+        return "greedy" if self.greedy else (self.temperature, self.top_p, self.top_k)
+
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., V] probabilities after temperature / top-k / top-p (float32 or wider)."""

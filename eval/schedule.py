@@ -627,8 +627,16 @@ class CostSchedule:
         the rounds it is over (for the report); the plain passes also say how many of them were taken in place of a
         drafted round to time it (`checks`), the catch-ups how many were probes of a drafter that did not pay
         (`probes`), the wider passes how many verified a slot only to time one (`explores`)."""
-        states = {**self.regimes, self.sampling: {k: getattr(self, k) for k in self._learned()}}
-        return merge_corrections([_said(state) for state in states.values()])
+        return merge_corrections([_said(state) for state in self._states().values()])
+
+    def regime_corrections(self, sampling: Hashable) -> dict[int, dict[str, dict[str, float]]]:
+        """`corrections` of the rounds of one sampling regime alone (`regime`; {} when none ran in it)."""
+        state = self._states().get(sampling)
+        return _said(state) if state is not None else {}
+
+    def _states(self) -> dict[Hashable, dict[str, Any]]:
+        """What the rounds taught (`_learned`), per sampling regime, the current one's included."""
+        return {**self.regimes, self.sampling: {k: getattr(self, k) for k in self._learned()}}
 
     def begin(self, drafting: torch.Tensor) -> None:
         """A new round for the rows in `drafting` (bool [B])."""

@@ -164,14 +164,14 @@ def main() -> None:
                 diverged[n] += v
         run = summarize(temperature, by, diverged, decoder.gammas, names, len(prompts) * args.repeats, params.greedy)
         _pool(run, by, names)
-        # what each per-domain cost schedule timed against its table so far (kept across temperatures, as eval's)
+        # what each per-domain cost schedule timed against its table at this temperature (its regime's own rounds)
         kept = {n: getattr(proposers[n], "schedule", None) for n in names}  # plain decoding has none
-        run["corrections"] = {n: s.corrections() for n, s in kept.items() if s is not None}
+        run["regime_corrections"] = {n: s.regime_corrections(params.regime) for n, s in kept.items() if s is not None}
         record["per_domain"].append(run)
         print(_domain_markdown(run, list(families), schedules), flush=True)
         timed = {
-            f"{n}, through T = {temperature}": costs[n.split("/")[0]] | {"corrections": c}
-            for n, c in run["corrections"].items()
+            f"{n}, at T = {temperature}": costs[n.split("/")[0]] | {"corrections": c}
+            for n, c in run["regime_corrections"].items()
         }
         print(cost_tables_markdown(timed), flush=True)
 

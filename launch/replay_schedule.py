@@ -29,10 +29,9 @@ T = 1 bench).
 The table is measured in a minute of the machine's life, and a bench runs on a machine that has changed since: on an
 AMX Xeon, the demo's DSpark table put a plain pass at 49.7 ms and a first slot's break-even at 10%, while the bench's
 rounds timed plain passes 1.2-9.6 ms under it. With `--timed` the replay prices rounds as the bench's own cost schedule
-timed them at that temperature (`corrections` of `DRAFTER/cost` in bench_schedule.json, batch 1): the table's passes
-plus the mean plain-pass excess, its wider passes plus the increment its neighbouring rounds timed, its draft round plus
-the draft rounds' excess. The bench saves those means cumulatively over its temperatures, so a temperature's own are
-the difference from the one before. A regime whose schedule timed no round of a kind keeps the table's there.
+timed them at that temperature (`regime_corrections` of `DRAFTER/cost` in bench_schedule.json, batch 1): the table's
+passes plus the mean plain-pass excess, its wider passes plus the increment its neighbouring rounds timed, its draft
+round plus the draft rounds' excess. A regime whose schedule timed no round of a kind keeps the table's there.
 """
 
 from __future__ import annotations
@@ -182,25 +181,24 @@ def main() -> None:
 
 def timed_table(table, record: dict, drafter: str, temperature: float):
     """(the table corrected by what `drafter`'s cost schedule timed at batch 1 in the bench's regime at
-    `temperature`, a sentence saying by how much). The bench saves each regime's corrections cumulatively (a mean
-    over every round so far), so this regime's are the difference from the run before it."""
+    `temperature`, a sentence saying by how much)."""
     from draftsmith.eval.schedule import CostTable
 
-    runs = record.get("per_domain", [])
-    said_by = [run.get("corrections", {}).get(f"{drafter}/cost", {}).get("1", {}) for run in runs]
-    at = next((k for k, run in enumerate(runs) if run["temperature"] == temperature), None)
-    if at is None or not said_by[at]:
+    run = next((r for r in record.get("per_domain", []) if r["temperature"] == temperature), None)
+    if run is not None and "regime_corrections" not in run:
+        raise SystemExit(
+            "--timed: this bench saved its corrections summed over its temperatures (bench_schedule.py before "
+            "2026-12-07's regime_corrections); run the bench again"
+        )
+    said_by = (run or {}).get("regime_corrections", {}).get(f"{drafter}/cost", {}).get("1", {})
+    if not said_by:
         raise SystemExit(f"--timed: the bench has no {drafter}/cost rounds at T = {temperature:g}")
-    now, before = said_by[at], said_by[at - 1] if at else {}
 
-    def total(c: dict | None) -> float:
-        return c["excess_s"] * c["rounds"] if c else 0.0
+    def own(kind: str) -> tuple[float, float]:
+        c = said_by.get(kind) or {}
+        return c.get("excess_s", 0.0), c.get("rounds", 0)
 
-    own = {}
-    for kind in ("plain", "increment", "draft"):
-        rounds = (now.get(kind) or {}).get("rounds", 0) - (before.get(kind) or {}).get("rounds", 0)
-        own[kind] = ((total(now.get(kind)) - total(before.get(kind))) / rounds if rounds else 0.0, rounds)
-    (p, n_p), (i, n_i), (d, n_d) = own["plain"], own["increment"], own["draft"]
+    (p, n_p), (i, n_i), (d, n_d) = own("plain"), own("increment"), own("draft")
     verify = {w: t + p + (i if w > 1 else 0.0) for w, t in table.verify[1].items()}
     corrected = CostTable(
         verify={1: verify},

@@ -656,7 +656,8 @@ def test_switching_rules_keeps_what_the_cost_schedule_learned(tiny64):
 def test_what_the_rounds_teach_is_kept_per_sampling():
     """Greedy rounds showed first slots at confidence 0.5 never accepted and plain passes 0.2 over the table; sampled
     rounds start again from the table and a calibration taken as right (the drafter's confidences do not know the
-    temperature), and learn their own; back to greedy, greedy's is still there. The report sums both."""
+    temperature), and learn their own; back to greedy, greedy's is still there. The report sums both; each regime's
+    own are there too."""
     s = CostSchedule(TABLE)
     s.regime("greedy")
     for _ in range(20):
@@ -673,6 +674,10 @@ def test_what_the_rounds_teach_is_kept_per_sampling():
     s.regime("greedy")
     assert (s.ratio(0), s.verify_time(1, 1)) == greedy
     assert s.corrections()[1]["plain"] == {"excess_s": pytest.approx(0.05), "rounds": 2, "checks": 0}
+    # each regime's own, for a bench that reports its temperatures apart
+    assert s.regime_corrections("greedy")[1]["plain"] == {"excess_s": pytest.approx(0.2), "rounds": 1, "checks": 0}
+    assert s.regime_corrections((1.0, 1.0, 0))[1]["plain"]["excess_s"] == pytest.approx(-0.1)
+    assert s.regime_corrections((0.7, 1.0, 0)) == {}
 
 
 def test_a_proposer_tells_its_schedule_the_sampling_of_every_round(tiny64):

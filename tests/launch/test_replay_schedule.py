@@ -62,21 +62,21 @@ def test_slots_logged_per_round_are_replayed_one_per_round(tmp_path, monkeypatch
 
 def test_timed_replays_price_rounds_as_the_benchs_schedule_timed_that_temperature(tmp_path, monkeypatch, capsys):
     """With `--timed`, the table is corrected by what the bench's `DRAFTER/cost` schedule timed at batch 1 in the
-    replayed temperature's regime. The bench saves those means cumulatively over temperatures: at T = 0 plain passes
-    +0.1 s over 10 rounds; through T = 1, +0.3 s over 30 (so T = 1's own 20 rounds: +0.4), the increment of a wider
-    pass +0.1 over 4 pairs (T = 1's own 2: +0.2), draft rounds +0.05 over 20, none at T = 0. At T = 1 a plain pass
-    then costs 1.4 s, two wide 1.2 + 0.4 + 0.2 = 1.8 and a draft round 0.15: a first slot pays from 39%. Read
-    cumulatively (the regime's own rounds not taken apart) it would say 1.3 and 1.6."""
+    replayed temperature's regime, which the bench saves per temperature (`regime_corrections`): at T = 1 plain
+    passes +0.4 s over 20 rounds, the increment of a wider pass +0.2 over 2 pairs, draft rounds +0.05 over 20 (at
+    T = 0, +0.1 over 10 and no draft round). At T = 1 a plain pass then costs 1.4 s, two wide 1.2 + 0.4 + 0.2 = 1.8 and
+    a draft round 0.15: a first slot pays from 39%. Read off T = 0's run (the mutation: the first run, whatever its
+    temperature) it would say 1.1 and 1.3."""
     slots = [{"domain": "easy", "prompt": 0, "head": 0.9, "accepted": 1.0, "acceptance_t1": 1.0} for _ in range(10)]
     (tmp_path / "slots.json").write_text(json.dumps({"slots": slots, "by": "round"}))
     table = {"verify": {"1": {"1": 1.0, "2": 1.2}}, "draft_step": {"1": 0.05}, "draft_round": {"1": 0.1}}
     at = lambda excess, rounds: {"excess_s": excess, "rounds": rounds}  # noqa: E731
     runs = [
-        {"temperature": 0.0, "corrections": {"eagle3/cost": {"1": {"plain": at(0.1, 10), "increment": at(0.0, 2)}}}},
+        {"temperature": 0.0, "regime_corrections": {"eagle3/cost": {"1": {"plain": at(0.1, 10)}}}},
         {
             "temperature": 1.0,
-            "corrections": {
-                "eagle3/cost": {"1": {"plain": at(0.3, 30), "increment": at(0.1, 4), "draft": at(0.05, 20)}}
+            "regime_corrections": {
+                "eagle3/cost": {"1": {"plain": at(0.4, 20), "increment": at(0.2, 2), "draft": at(0.05, 20)}}
             },
         },
     ]
@@ -98,7 +98,12 @@ def test_timed_replays_price_rounds_as_the_benchs_schedule_timed_that_temperatur
     # nor is a bench whose cost schedule ran another drafter
     monkeypatch.setattr(sys, "argv", [*argv[:-1], "--timed", "--drafter", "eagle3", "--temperature", "0"])
     (tmp_path / "costs.json").write_text(
-        json.dumps({"costs": {"eagle3": table}, "per_domain": [{**runs[0], "corrections": {}}]})
+        json.dumps({"costs": {"eagle3": table}, "per_domain": [{**runs[0], "regime_corrections": {}}]})
     )
     with pytest.raises(SystemExit, match="no eagle3/cost rounds at T = 0"):
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    # a bench that saved its corrections summed over its temperatures (before `regime_corrections`) says so
+    summed = {"temperature": 0.0, "corrections": {"eagle3/cost": {"1": {"plain": at(0.1, 10)}}}}
+    (tmp_path / "costs.json").write_text(json.dumps({"costs": {"eagle3": table}, "per_domain": [summed]}))
+    with pytest.raises(SystemExit, match="summed over its temperatures"):
         runpy.run_path(str(SCRIPT), run_name="__main__")

@@ -80,7 +80,14 @@ def test_bench_schedule_measures_every_schedule_beside_plain_decoding(trained_ru
             assert row["none"]["drafted"] == 0 and row["none/again"]["drafted"] == 0
             for name in columns[1:-1]:  # each against plain decoding run before and after it, pooled
                 assert row[name]["pooled"]["speedup"] > 0
-        assert set(run["corrections"]) == {"eagle3/cost", "dspark/cost"}  # what each cost schedule timed
+        # what each cost schedule timed at that temperature: its own rounds, every one (a plain or a wider pass)
+        assert set(run["regime_corrections"]) == {"eagle3/cost", "dspark/cost"}
+        timed = run["regime_corrections"]["eagle3/cost"]["1"]
+        if run["temperature"] == 1.0:  # (T = 0's regime also timed the untimed warm-up's greedy rounds)
+            assert (
+                timed["plain"]["rounds"] + timed.get("wide", {}).get("rounds", 0)
+                == run["overall"]["eagle3/cost"]["rounds"]
+            )
     assert {(p["batch"], p["temperature"]) for p in record["batch_curve"]} == {(1, 0.0), (2, 0.0)}
     assert set(record["costs"]) == {"eagle3", "dspark"}
     assert all({1, 2} <= {int(b) for b in table["verify"]} for table in record["costs"].values())
