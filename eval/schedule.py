@@ -709,6 +709,23 @@ class CostSchedule:
         return (self.expected + survival) / wider >= (1 - self.explore_margin) * rate
 
 
+VARIANTS: dict[str, dict[str, Any]] = {
+    "pooled": {"row_prior": None},
+    "last": {"decide_by_level": False, "level_slots": 0},
+}
+"""Rules the benches and replays compare the cost schedule with, as the `CostSchedule` attributes each sets (`variant`):
+`pooled` calibrates by the pooled ratio alone, without each row's own (`row_prior`); `last` decides whether to draft
+from each row's last first-slot confidence, from the first slot on (the rule before 2026-12-07: `decide_by_level`,
+`level_slots`)."""
+
+
+def variant(schedule: CostSchedule, name: str) -> CostSchedule:
+    """`schedule` switched to the rule `VARIANTS[name]` (returned, for chaining)."""
+    for key, value in VARIANTS[name].items():
+        setattr(schedule, key, value)
+    return schedule
+
+
 def _said(state: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
     """One regime's learned state (`CostSchedule._learned`) as `corrections` reports it."""
     said: dict[int, dict[str, dict[str, float]]] = {}

@@ -31,14 +31,10 @@ from pathlib import Path
 
 AGAIN = "none/again"
 """Plain decoding run a second time, after every other configuration of the prompt (an A/A comparison)."""
-VARIANTS = {
-    "cost-pooled": ("cost", {"row_prior": None}),
-    "cost-last": ("cost", {"decide_by_level": False, "level_slots": 0}),
-}
-"""Schedules of this bench only, for a side-by-side comparison: name -> (eval schedule, CostSchedule attributes set).
-`cost-pooled` is the cost schedule calibrated by its pooled ratio alone, without each row's own (`row_prior`);
-`cost-last` decides whether to draft from each row's last first-slot confidence, from the first slot on (the rule
-before 2026-12-07: `decide_by_level`, `level_slots`)."""
+VARIANTS = {f"cost-{name}": ("cost", name) for name in ("pooled", "last")}
+"""Schedules of this bench only, for a side-by-side comparison: name -> (eval schedule, its variant in
+`eval.schedule.VARIANTS`). `cost-pooled` is the cost schedule calibrated by its pooled ratio alone, without each row's
+own; `cost-last` decides whether to draft from each row's last first-slot confidence (the rule before 2026-12-07)."""
 
 
 def main() -> None:
@@ -74,7 +70,8 @@ def main() -> None:
     from draftsmith.eval.report import cost_tables_markdown, curve_plot, curve_table
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams
-    from draftsmith.eval.schedule import CostSchedule
+    from draftsmith.eval.schedule import VARIANTS as SCHEDULE_VARIANTS
+    from draftsmith.eval.schedule import CostSchedule, variant
     from draftsmith.pipeline.evaluate import Decoder, bench_inputs, summarize
     from draftsmith.pipeline.families import get_family
     from draftsmith.pipeline.target import cache_root
@@ -125,11 +122,14 @@ def main() -> None:
         tables[family], cached[family] = cached_costs(cache_root() / "costs", key, measure)
 
     def use(name: str, mode: str) -> None:
-        rule, attributes = VARIANTS.get(mode, (mode, {}))
+        rule, which = VARIANTS.get(mode, (mode, None))
         proposers[name].use(rule, tables[name.split("/")[0]], args.threshold)
         if rule == "cost":  # the batch curve switches one proposer's one cost schedule between the variants
-            for key in {k for _, a in VARIANTS.values() for k in a}:
-                setattr(proposers[name].schedule, key, attributes.get(key, getattr(CostSchedule, key)))
+            schedule = proposers[name].schedule
+            for key in {k for a in SCHEDULE_VARIANTS.values() for k in a}:
+                setattr(schedule, key, getattr(CostSchedule, key))
+            if which is not None:
+                variant(schedule, which)
 
     for family in families:
         for mode in schedules:

@@ -58,7 +58,7 @@ def main() -> None:
 
     import torch
 
-    from draftsmith.eval.schedule import CostSchedule, CostTable
+    from draftsmith.eval.schedule import CostSchedule, CostTable, variant
 
     raw = json.loads(args.slots.read_text())
     if "slots" not in raw:
@@ -90,9 +90,9 @@ def main() -> None:
         one schedule (`pooled`: calibrated by its pooled ratio alone, without each row's own)."""
         s = CostSchedule(table, learn_costs=False)
         if pooled:
-            s.row_prior = None
-        if last:  # the rule before 2026-12-07 (`cost-last` in launch/bench_schedule.py)
-            s.decide_by_level, s.level_slots = False, 0
+            variant(s, "pooled")
+        if last:  # the rule before 2026-12-07
+            variant(s, "last")
         out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
         for index in order or sorted(prompts):
             slots = prompts[index]

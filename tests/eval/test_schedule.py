@@ -15,7 +15,7 @@ from draftsmith.eval.engine import decode
 from draftsmith.eval.proposers import DSparkProposer, Eagle3Proposer, Proposal
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, make_generator
-from draftsmith.eval.schedule import CostSchedule, CostTable
+from draftsmith.eval.schedule import CostSchedule, CostTable, variant
 from tests.eval.test_dspark_exactness import FeatureBigramTarget, _emitted_dspark, _exact, _tiny_dspark
 from tests.eval.test_exactness import P, _eagle3, chi_square_pvalue, plain_greedy
 
@@ -29,12 +29,20 @@ TABLE = CostTable(
 
 def by_last_confidence(table: CostTable, learn_costs: bool = True) -> CostSchedule:
     """A schedule that decides whether to draft from each row's last first-slot confidence, from the first slot on
-    (`decide_by_level` off, `level_slots` 0: `cost-last` in launch/bench_schedule.py). The tests of the backoff, the
+    (the variant `last`: `cost-last` in launch/bench_schedule.py). The tests of the backoff, the
     probes and the timing corrections script "drafting pays" and "it does not" through that confidence, a round at a
     time; what they test does not depend on where the prediction comes from."""
-    s = CostSchedule(table, learn_costs)
-    s.decide_by_level, s.level_slots = False, 0
-    return s
+    return variant(CostSchedule(table, learn_costs), "last")
+
+
+def test_a_variant_sets_its_rule_on_one_schedule():
+    """The rules benches compare the cost schedule with (`VARIANTS`) are attributes set on one schedule, never on the
+    class: `last` decides from the last first-slot confidence from the first slot on, `pooled` drops each row's own
+    calibration."""
+    last, pooled = variant(CostSchedule(TABLE), "last"), variant(CostSchedule(TABLE), "pooled")
+    assert (last.decide_by_level, last.level_slots, last.row_prior) == (False, 0, CostSchedule.row_prior)
+    assert (pooled.decide_by_level, pooled.row_prior) == (True, None)
+    assert (CostSchedule.decide_by_level, CostSchedule.level_slots) == (True, 16) and CostSchedule.row_prior
 
 
 def test_admission_follows_the_rate():

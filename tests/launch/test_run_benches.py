@@ -68,11 +68,15 @@ def test_bench_inputs_loads_the_runs_drafters_beside_its_target(trained_run):
 def test_bench_schedule_measures_every_schedule_beside_plain_decoding(trained_run, tmp_path, monkeypatch):
     out = tmp_path / "bench"
     argv = [str(trained_run), "--per-domain", "1", "--max-new-tokens", "6", "--temperatures", "0,1", "--out", str(out)]
-    argv += ["--batches", "1,2", "--schedules", "fixed,cost", "--curve-schedules", "fixed,cost"]
+    argv += ["--batches", "1,2", "--schedules", "fixed,cost,cost-last", "--curve-schedules", "fixed,cost,cost-last"]
     _run_script("bench_schedule.py", argv, monkeypatch)
 
     record = json.loads((out / "bench_schedule.json").read_text())
-    columns = ["none", "eagle3/fixed", "eagle3/cost", "dspark/fixed", "dspark/cost", "none/again"]
+    columns = [
+        "none",
+        *(f"{d}/{m}" for d in ("eagle3", "dspark") for m in ("fixed", "cost", "cost-last")),
+        "none/again",
+    ]
     assert [run["temperature"] for run in record["per_domain"]] == [0.0, 1.0]
     for run in record["per_domain"]:
         assert run["drafters"] == columns and set(run["domains"]) == {"math", "code"}
@@ -81,13 +85,13 @@ def test_bench_schedule_measures_every_schedule_beside_plain_decoding(trained_ru
             for name in columns[1:-1]:  # each against plain decoding run before and after it, pooled
                 assert row[name]["pooled"]["speedup"] > 0
         # what each cost schedule timed at that temperature: its own rounds, every one (a plain or a wider pass)
-        assert set(run["regime_corrections"]) == {"eagle3/cost", "dspark/cost"}
+        assert set(run["regime_corrections"]) == {
+            f"{d}/{m}" for d in ("eagle3", "dspark") for m in ("cost", "cost-last")
+        }
         timed = run["regime_corrections"]["eagle3/cost"]["1"]
+        passes = sum(timed.get(kind, {}).get("rounds", 0) for kind in ("plain", "wide"))
         if run["temperature"] == 1.0:  # (T = 0's regime also timed the untimed warm-up's greedy rounds)
-            assert (
-                timed["plain"]["rounds"] + timed.get("wide", {}).get("rounds", 0)
-                == run["overall"]["eagle3/cost"]["rounds"]
-            )
+            assert passes == run["overall"]["eagle3/cost"]["rounds"]
     assert {(p["batch"], p["temperature"]) for p in record["batch_curve"]} == {(1, 0.0), (2, 0.0)}
     assert set(record["costs"]) == {"eagle3", "dspark"}
     assert all({1, 2} <= {int(b) for b in table["verify"]} for table in record["costs"].values())
