@@ -719,9 +719,12 @@ from each row's last first-slot confidence, from the first slot on (the rule bef
 `level_slots`)."""
 
 
-def variant(schedule: CostSchedule, name: str) -> CostSchedule:
-    """`schedule` switched to the rule `VARIANTS[name]` (returned, for chaining)."""
-    for key, value in VARIANTS[name].items():
+def variant(schedule: CostSchedule, name: str | None) -> CostSchedule:
+    """`schedule` switched to the rule `VARIANTS[name]`, or back to the cost schedule's own for None (every attribute
+    a variant sets goes back to the class's), and returned, for chaining."""
+    for key in {k for rule in VARIANTS.values() for k in rule}:
+        setattr(schedule, key, getattr(CostSchedule, key))
+    for key, value in VARIANTS[name].items() if name is not None else ():
         setattr(schedule, key, value)
     return schedule
 

@@ -70,8 +70,7 @@ def main() -> None:
     from draftsmith.eval.report import cost_tables_markdown, curve_plot, curve_table
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams
-    from draftsmith.eval.schedule import VARIANTS as SCHEDULE_VARIANTS
-    from draftsmith.eval.schedule import CostSchedule, variant
+    from draftsmith.eval.schedule import variant
     from draftsmith.pipeline.evaluate import Decoder, bench_inputs, summarize
     from draftsmith.pipeline.families import get_family
     from draftsmith.pipeline.target import cache_root
@@ -125,11 +124,7 @@ def main() -> None:
         rule, which = VARIANTS.get(mode, (mode, None))
         proposers[name].use(rule, tables[name.split("/")[0]], args.threshold)
         if rule == "cost":  # the batch curve switches one proposer's one cost schedule between the variants
-            schedule = proposers[name].schedule
-            for key in {k for a in SCHEDULE_VARIANTS.values() for k in a}:
-                setattr(schedule, key, getattr(CostSchedule, key))
-            if which is not None:
-                variant(schedule, which)
+            variant(proposers[name].schedule, which)
 
     for family in families:
         for mode in schedules:

@@ -82,17 +82,12 @@ def main() -> None:
     def replay(
         always: bool = False,
         oracle: bool = False,
-        pooled: bool = False,
-        last: bool = False,
+        rule: str | None = None,
         order: list[int] | None = None,
     ) -> dict[str, list[float]]:
         """Per domain: [tokens, seconds, drafted, accepted] over its prompts, decoded in `order` (eval's: sorted) by
-        one schedule (`pooled`: calibrated by its pooled ratio alone, without each row's own)."""
-        s = CostSchedule(table, learn_costs=False)
-        if pooled:
-            variant(s, "pooled")
-        if last:  # the rule before 2026-12-07
-            variant(s, "last")
+        one schedule (`rule`: one of `eval.schedule.VARIANTS`, None for the cost schedule's own)."""
+        s = variant(CostSchedule(table, learn_costs=False), rule)
         out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
         for index in order or sorted(prompts):
             slots = prompts[index]
@@ -134,8 +129,8 @@ def main() -> None:
     runs = {
         "every round": dict(always=True),
         "cost schedule": {},
-        "pooled calibration alone": dict(pooled=True),
-        "decided by the last confidence": dict(last=True),
+        "pooled calibration alone": dict(rule="pooled"),
+        "decided by the last confidence": dict(rule="last"),
         "oracle (per prompt)": dict(oracle=True),
     }
     policies = {name: replay(**kw) for name, kw in runs.items()}

@@ -38,11 +38,15 @@ def by_last_confidence(table: CostTable, learn_costs: bool = True) -> CostSchedu
 def test_a_variant_sets_its_rule_on_one_schedule():
     """The rules benches compare the cost schedule with (`VARIANTS`) are attributes set on one schedule, never on the
     class: `last` decides from the last first-slot confidence from the first slot on, `pooled` drops each row's own
-    calibration."""
+    calibration, and None is the cost schedule's own rule."""
     last, pooled = variant(CostSchedule(TABLE), "last"), variant(CostSchedule(TABLE), "pooled")
     assert (last.decide_by_level, last.level_slots, last.row_prior) == (False, 0, CostSchedule.row_prior)
     assert (pooled.decide_by_level, pooled.row_prior) == (True, None)
     assert (CostSchedule.decide_by_level, CostSchedule.level_slots) == (True, 16) and CostSchedule.row_prior
+    # switched again (the bench's batch curve switches one schedule between rules): nothing of the last rule is left
+    back, other = variant(last, None), variant(variant(CostSchedule(TABLE), "last"), "pooled")
+    assert (back.decide_by_level, back.level_slots, back.row_prior) == (True, 16, CostSchedule.row_prior)
+    assert (other.decide_by_level, other.level_slots, other.row_prior) == (True, 16, None)
 
 
 def test_admission_follows_the_rate():
