@@ -36,6 +36,10 @@ level was run on the machine once before, and starved: admission then turned dow
 first slot was verified, the level stayed at its prior and every round paid a draft round, 0.88x. Admission now
 counts the round's draft as paid, so a drafted round verifies its first slot unless it is near hopeless, and the
 slots it turns down count toward the level too.)
+The level is read high by `evidence` standard errors of its calibration (`ratio_error`) when deciding: a round stops
+drafting only where the evidence that drafting loses is stronger than chance. Drafting where it does not pay verifies
+slots and so corrects itself; not drafting verifies nothing but probes, so a level read low by a few unlucky slots
+would keep a drafter that pays from drafting.
 
 The table is measured once, in a minute of the machine's life, and a 2-core machine shared with others is not the
 same machine a minute later (on one AMD EPYC the same plain batch-4 pass was timed at 57, 76 and 82 ms in three
@@ -53,7 +57,8 @@ look dearer than it is, is corrected after the few rounds that drafted on it. On
 than it is would never be: no wider pass is run to show it. So while fewer than `explore_rounds` wider passes are
 timed at a batch size, a drafted round whose first slot does not pay by the table verifies the likeliest row's first
 slot anyway, when that is predicted to cost at most `explore_margin` of the round's rate; and once plain and wider
-passes have been timed one round apart, their paired difference corrects the wider pass's increment, up or down
+passes have been timed one round apart, their paired difference corrects the wider pass's increment, up or down,
+each pair held within `pair_window` of the estimate so far (a hiccup of the machine is not the increment)
 (on one AMD EPYC, two tables measured minutes apart put a second slot at +0% and +12% of a 32 ms pass, and EAGLE-3
 drafted on the first and never on the second; a third said +0% where pairs of rounds timed +8.9 ms).
 
@@ -213,6 +218,17 @@ class CostSchedule:
     64 skipped rounds) added a slot at a time too rarely to lift it: replayed in eval's order, 5 first slots verified
     in 1,100 rounds, 0.999x of plain decoding where drafting every round gave 1.064x. Counted per regime and never
     faded; it costs at most this many draft rounds of a drafter that does not pay (under 0.1 s at the demo's costs)."""
+    evidence = 1.0
+    """How many standard errors of the first slots' online calibration (`ratio_error`) the decision to draft reads it
+    high by: a round stops drafting only where even that optimistic level does not pay, so the evidence that drafting
+    loses must be stronger than chance. The two mistakes are not alike. Drafting where it does not pay verifies slots,
+    so the level learns it and the loss stops; not drafting where it pays verifies nothing but a probe every
+    `max_backoff` rounds, so a level read low by a few unlucky slots stays low. On an AMX Xeon, the demo's EAGLE-3 at
+    T = 0 had 3 of 24 first slots accepted in its first prompt, read its level at 0.13 against a break-even of 0.13-0.16,
+    and drafted 52 of about 500 rounds in the next four domains, where drafting one slot every round had 22% of them
+    accepted; DSpark at T = 1 stopped after 16 first slots, at 0.13-0.16 against 0.18-0.20. The optimism shrinks as
+    slots are verified and grows again as what they showed fades (`memory_rounds`), so a stop is tried again in time.
+    0: the level as estimated (the rule before 2026-12-07's fifth session)."""
     row_rows = 8
     """Decoded rows with verified first slots from which the spread of rows' own ratios sets the weight (`row_weight`);
     the last `row_memory` are kept."""
@@ -224,6 +240,15 @@ class CostSchedule:
     """Weight, in rounds, of the cost table against the times measured on this schedule's own rounds (`timed`): small,
     since a table measured in one minute can be 20-40% off a minute later, while one round's timing is off by a few
     percent (and clipped when the machine stalls)."""
+    pair_window = 0.2
+    """Most that one pair of a plain and a wider pass (`_paired`) may say the increment is off its estimate so far, as
+    a share of the table's plain pass: a pair beyond it counts at that bound. A pair's two passes are one round apart,
+    and a hiccup of the machine in one of them (well inside the single pass's clip at twice the table) is not the
+    increment: on an AMX Xeon, EAGLE-3's first pair at T = 0 timed a pass two slots wide 32 ms over a 39 ms plain one,
+    where the next pairs timed +1.0 and +0.3 ms; shrunk by `cost_prior`, it priced a second slot at +11.9 ms, a first
+    slot paid from 41% acceptance, and the schedule did not draft for about 450 rounds, in which only its 3 probes timed
+    a pair. A wider pass dear for good moves the window with the estimate, a bound per pair (+0.2, +0.27, +0.32, ...
+    for a table 0.46 under the machine's): it is learned in a few pairs more, not missed."""
     check_margin = 0.25
     """While drafting is predicted to raise the rate by less than this share, the decision hangs on the timings, and
     the plain pass is timed too (a plain round in place of a drafted one, every `check_every` drafted rounds)."""
@@ -341,11 +366,22 @@ class CostSchedule:
             return 1.0
         return (self.accepted[i] + self.prior) / (self.predicted[i] + self.prior)
 
-    def row_ratio(self, i: int, b: int) -> float:
+    def ratio_error(self) -> float:
+        """The standard error of the first slots' pooled ratio (`ratio(0)`). Verified first slots of predicted survival
+        P in all (faded), of which A were accepted, give ρ = (A + k) / (P + k) (k the `prior`); A varies by chance about
+        ρP(1 − ρc̄) (c̄ the mean first-slot confidence, as in `row_weight`), so ρ by √(ρ(1 − ρc̄) / (P + k)): wide
+        after a few slots, narrow after many."""
+        predicted = self.predicted[0] if self.predicted else 0.0
+        verified = self.verified[0] if self.verified else 0.0
+        rho = self.ratio(0)
+        mean = predicted / verified if verified else 0.0
+        return math.sqrt(max(rho * (1.0 - min(rho * mean, 1.0)), 0.0) / (predicted + self.prior))
+
+    def row_ratio(self, i: int, b: int, lift: float = 0.0) -> float:
         """What row b's predicted survivals at depth i are multiplied by: its own accepted / predicted over this
-        decode's verified rounds, shrunk toward the pooled `ratio(i)` by `row_prior` predicted slots (the pooled
-        ratio alone before the row has verified anything)."""
-        pooled = self.ratio(i)
+        decode's verified rounds, shrunk toward the pooled `ratio(i)` (plus `lift`) by `row_prior` predicted slots
+        (the pooled ratio alone before the row has verified anything)."""
+        pooled = self.ratio(i) + lift
         mine = self.row_sums.get(b)
         if self.row_prior is None or mine is None or i >= len(mine[0]):
             return pooled
@@ -378,7 +414,7 @@ class CostSchedule:
         """`row_ratio(i, b)` of every row b of a batch of `batch` [batch] (float64)."""
         return torch.tensor([self.row_ratio(i, b) for b in range(batch)], dtype=torch.float64)
 
-    def first_slot_rate(self) -> float:
+    def first_slot_rate(self, lift: float = 0.0) -> float:
         """The chance that a first draft is accepted, for a row that has not drafted yet (a new decode): the mean
         confidence of the first slots drafted so far, verified or turned down by admission, times the online
         calibration's `ratio(0)`, which is what admission predicts for a first slot of that confidence (1 before any:
@@ -388,18 +424,19 @@ class CostSchedule:
         1), a drafter whose every first slot admission declined verified none, its rate stayed at its prior of 1, and
         every new decode's first round caught up on its prompt only to decline again (DSpark on an AMX Xeon: one of
         its ~9 ms catch-ups per decode, with no slot verified)."""
-        return self.row_level(None)
+        return self.row_level(None, lift)
 
-    def row_level(self, b: int | None) -> float:
+    def row_level(self, b: int | None, lift: float = 0.0) -> float:
         """The chance that row b's next first slot is accepted, before it is drafted: the mean confidence of the first
         slots drafted so far (verified or turned down) times the row's own calibration (`row_ratio`; the pooled
-        `ratio` for b None, or before the row has verified first slots of its own); 1 before any slot (draft, to
-        learn)."""
+        `ratio` for b None, or before the row has verified first slots of its own), the pooled ratio read `lift`
+        high; 1 before any slot (draft, to learn)."""
         confidence = (self.predicted[0] if self.verified else 0.0) + self.declined[0]
         drafted = (self.verified[0] if self.verified else 0.0) + self.declined[1]
         if not drafted:
             return 1.0
-        return min(confidence / drafted * (self.ratio(0) if b is None else self.row_ratio(0, b)), 1.0)
+        ratio = self.ratio(0) + lift if b is None else self.row_ratio(0, b, lift)
+        return min(confidence / drafted * ratio, 1.0)
 
     def reset(self) -> None:
         """A new decode. The backoff and the rounds skipped since the last probe are kept, like the online calibration:
@@ -436,7 +473,8 @@ class CostSchedule:
         rows = [bool(a) for a in (active.tolist() if isinstance(active, torch.Tensor) else active)]
         batch, n = len(rows), sum(rows)
         self._fade()
-        pooled = self.first_slot_rate()
+        lift = self.evidence * self.ratio_error()  # stop only where even a level read this high does not pay
+        pooled = self.first_slot_rate(lift)
         # until a level can be told from luck, every row's first slot is predicted at 1, as before any was seen
         learning = self.slots < self.level_slots
         seen = new = 0.0  # predicted first slots of the rows that drafted before, and of the new rows
@@ -446,7 +484,7 @@ class CostSchedule:
             elif a and learning:
                 seen += 1.0
             elif a:
-                seen += self.row_level(b) if self.decide_by_level else min(c * self.row_ratio(0, b), 1.0)
+                seen += self.row_level(b, lift) if self.decide_by_level else min(c * self.row_ratio(0, b, lift), 1.0)
         plain_step = self.verify_time(1, batch)
         plain = n / plain_step
         pass_cost = self.round_time(batch) + self.verify_time(2, batch)
@@ -523,7 +561,8 @@ class CostSchedule:
     def _paired(self, batch: int) -> float | None:
         """How much more (or less) than the table the increment of a wider pass over a plain one is, as timed (None
         before any pair is timed at this batch size): the mean over pairs of a plain and a wider pass timed one round
-        apart of (wider excess − plain excess), shrunk toward 0 by `cost_prior` pairs, and never below a plain pass. Paired, not the difference of the two means: the plain
+        apart of (wider excess − plain excess), each held within `pair_window` of the estimate before it, shrunk toward
+        0 by `cost_prior` pairs, and never below a plain pass. Paired, not the difference of the two means: the plain
         passes are timed in a few stretches (the skipped rounds, the checks) and the wider ones in others, and a
         2-core machine shared with others changes speed by more than the increment between them. Both ways, on one
         AMD EPYC:
@@ -604,7 +643,10 @@ class CostSchedule:
         before = self.previous.get(batch)
         if before is not None and before[0] != kind:
             wide, plain = (excess, before[1]) if kind == "wide" else (before[1], excess)
-            seen["increment"][0] += wide - plain
+            # held within `pair_window` of the estimate so far: one hiccup of the machine is not the increment
+            diff, n = seen["increment"]
+            so_far, window = diff / (n + self.cost_prior), self.pair_window * self.costs.verify_time(1, batch)
+            seen["increment"][0] += min(max(wide - plain, so_far - window), so_far + window)
             seen["increment"][1] += 1
         self.previous[batch] = (kind, excess)
         if steps < 0:
@@ -711,12 +753,14 @@ class CostSchedule:
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "pooled": {"row_prior": None},
-    "last": {"decide_by_level": False, "level_slots": 0},
+    "last": {"decide_by_level": False, "level_slots": 0, "evidence": 0.0},
+    "greedy": {"evidence": 0.0},
 }
 """Rules the benches and replays compare the cost schedule with, as the `CostSchedule` attributes each sets (`variant`):
 `pooled` calibrates by the pooled ratio alone, without each row's own (`row_prior`); `last` decides whether to draft
 from each row's last first-slot confidence, from the first slot on (the rule before 2026-12-07: `decide_by_level`,
-`level_slots`)."""
+`level_slots`); `greedy` decides from the level as estimated, stopping where it says drafting does not pay (the rule
+before 2026-12-07's fifth session: `evidence`)."""
 
 
 def variant(schedule: CostSchedule, name: str | None) -> CostSchedule:

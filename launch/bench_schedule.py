@@ -31,10 +31,12 @@ from pathlib import Path
 
 AGAIN = "none/again"
 """Plain decoding run a second time, after every other configuration of the prompt (an A/A comparison)."""
-VARIANTS = {f"cost-{name}": ("cost", name) for name in ("pooled", "last")}
+VARIANTS = {f"cost-{name}": ("cost", name) for name in ("pooled", "last", "greedy")}
 """Schedules of this bench only, for a side-by-side comparison: name -> (eval schedule, its variant in
 `eval.schedule.VARIANTS`). `cost-pooled` is the cost schedule calibrated by its pooled ratio alone, without each row's
-own; `cost-last` decides whether to draft from each row's last first-slot confidence (the rule before 2026-12-07)."""
+own; `cost-last` decides whether to draft from each row's last first-slot confidence (the rule before 2026-12-07);
+`cost-greedy` stops drafting wherever the level as estimated says it does not pay, with no evidence asked for (the
+rule before 2026-12-07's fifth session)."""
 
 
 def main() -> None:

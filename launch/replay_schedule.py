@@ -16,7 +16,8 @@ moves two slots on), and the schedule observes it; a round costs the table's pas
 replayed (a second slot survived in under 2% of the demo's fixed-γ rounds), the table is taken as exact (the schedule's
 own timing corrections are off) and a catch-up costs a draft round. Prints, per domain and overall, the speedup over
 plain decoding and the slots drafted and accepted, for the cost schedule (with each row's own calibration, with
-the pooled one alone, and deciding from the last confidence), drafting every round, and an oracle that knows
+the pooled one alone, deciding from the last confidence, and stopping wherever the level as estimated says drafting
+does not pay: `eval.schedule.VARIANTS`), drafting every round, and an oracle that knows
 each prompt's acceptance beforehand and drafts every round of the prompts where that pays (the best any rule deciding
 from a level could do). The schedule carries what it learns from one prompt to the next, so the order matters: the table
 is for eval's order (domain by domain), and `--orders` more replays in shuffled orders give each policy's overall
@@ -131,6 +132,7 @@ def main() -> None:
         "cost schedule": {},
         "pooled calibration alone": dict(rule="pooled"),
         "decided by the last confidence": dict(rule="last"),
+        "level as estimated (no evidence asked)": dict(rule="greedy"),
         "oracle (per prompt)": dict(oracle=True),
     }
     policies = {name: replay(**kw) for name, kw in runs.items()}

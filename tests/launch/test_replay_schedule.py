@@ -33,9 +33,9 @@ def test_the_replay_charges_each_round_what_the_table_says(tmp_path, monkeypatch
     rows = {
         line.split(" | ")[0].strip("| "): line.split(" | ")[2:] for line in out.splitlines() if line.startswith("| ")
     }
-    every, schedule, pooled, last, oracle = (cell.strip(" |") for cell in rows["easy"])
-    assert every == schedule == pooled == last == oracle == "1.538x (10/10)"
-    every, schedule, pooled, last, oracle = (cell.strip(" |") for cell in rows["hard"])
+    every, schedule, pooled, last, greedy, oracle = (cell.strip(" |") for cell in rows["easy"])
+    assert every == schedule == pooled == last == greedy == oracle == "1.538x (10/10)"
+    every, schedule, pooled, last, greedy, oracle = (cell.strip(" |") for cell in rows["hard"])
     assert every == "0.769x (20/0)" and oracle == "1.000x (0/0)"
     assert "pays from 30% acceptance" in out and "Over 3 shuffled prompt orders" in out
     # drafting every round: the worst domain is "hard" in every order
