@@ -225,9 +225,10 @@ class CostSchedule:
     so the level learns it and the loss stops; not drafting where it pays verifies nothing but a probe every
     `max_backoff` rounds, so a level read low by a few unlucky slots stays low. On an AMX Xeon, the demo's EAGLE-3 at
     T = 0 had 3 of 24 first slots accepted in its first prompt, read its level at 0.13 against a break-even of 0.13-0.16,
-    and drafted 52 of about 500 rounds in the next four domains, where drafting one slot every round had 22% of them
-    accepted; DSpark at T = 1 stopped after 16 first slots, at 0.13-0.16 against 0.18-0.20. The optimism shrinks as
-    slots are verified and grows again as what they showed fades (`memory_rounds`), so a stop is tried again in time.
+    and drafted 20 of 461 rounds in the next four domains; drafting one slot every round, it had 22% of its first
+    slots accepted over the bench's prompts. DSpark at T = 1 stopped after 16 first slots, at 0.13-0.16 against
+    0.18-0.20. The optimism shrinks as slots are verified and grows again as what they showed fades
+    (`memory_rounds`), so a stop is tried again in time.
     0: the level as estimated (the rule before 2026-12-07's fifth session)."""
     row_rows = 8
     """Decoded rows with verified first slots from which the spread of rows' own ratios sets the weight (`row_weight`);
@@ -246,8 +247,8 @@ class CostSchedule:
     and a hiccup of the machine in one of them (well inside the single pass's clip at twice the table) is not the
     increment: on an AMX Xeon, EAGLE-3's first pair at T = 0 timed a pass two slots wide 32 ms over a 39 ms plain one,
     where the next pairs timed +1.0 and +0.3 ms; shrunk by `cost_prior`, it priced a second slot at +11.9 ms, a first
-    slot paid from 41% acceptance, and the schedule did not draft for about 450 rounds, in which only its 3 probes timed
-    a pair. A wider pass dear for good moves the window with the estimate, a bound per pair (+0.2, +0.27, +0.32, ...
+    slot paid from 41% acceptance, and the schedule did not draft for about 450 rounds, in which its probes timed 5
+    pairs more. A wider pass dear for good moves the window with the estimate, a bound per pair (+0.2, +0.27, +0.32, ...
     for a table 0.46 under the machine's): it is learned in a few pairs more, not missed."""
     check_margin = 0.25
     """While drafting is predicted to raise the rate by less than this share, the decision hangs on the timings, and
