@@ -636,25 +636,16 @@ def test_one_hiccup_in_a_pair_does_not_price_drafting_out():
     200, the rest the plain rounds taken to time the plain pass (on an AMX Xeon one such pair, +32 ms on a 39 ms pass,
     kept EAGLE-3 from drafting for about 450 rounds). Mutation: no window."""
     cheap = CostTable(verify={1: {1: 1.0, 2: 1.04}}, draft_step={1: 0.01}, draft_round={1: 0.02})
-    on, c, ones = torch.tensor([True]), torch.tensor([0.2], dtype=torch.float64), torch.ones(1, dtype=torch.float64)
 
     def drafted(s: CostSchedule) -> int:
         plain_timed = hiccup = False
         verified = 0
         for _ in range(200):
-            if not s.worth_drafting(c, on):
-                s.timed(1.0, 0.0)
-                plain_timed = True
-                continue
-            s.begin(on)
-            if not s.admit(0, c, ones, on).any():  # a probe that admits nothing: a plain pass
-                s.timed(1.0, 0.02)
-                plain_timed = True
-                continue
             wide = 1.8 if plain_timed and not hiccup else 1.04
-            hiccup = hiccup or wide == 1.8
-            s.timed(wide, 0.02)
-            verified += 1
+            got = _round(s, 0.2, 1.0, wide, 0.02)
+            hiccup = hiccup or bool(got and wide == 1.8)
+            plain_timed = plain_timed or not got
+            verified += got
         return verified
 
     assert drafted(by_last_confidence(cheap)) >= 180  # (184)
