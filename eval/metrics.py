@@ -22,6 +22,7 @@ def acceptance_stats(results: Sequence[DecodeResult], gamma: int) -> dict[str, A
         "rounds": len(rounds),
         "tau": sum(a + 1 for _, a in rounds) / len(rounds) if rounds else None,
         "drafted": sum(d for d, _ in rounds),
+        "drafted_rounds": sum(1 for d, _ in rounds if d),
         "accepted": sum(a for _, a in rounds),
         "target_passes": sum(res.target_passes for res in results),
         "new_tokens": tokens,

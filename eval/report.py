@@ -6,15 +6,23 @@ from pathlib import Path
 from typing import Any
 
 
-def first_slot_break_even(verify: dict[Any, float], draft_round: float) -> str:
-    """The acceptance from which verifying every row's first slot beats a plain step, by one batch size's row of a
-    cost table: (1 + p) tokens per (2-wide pass + draft round) against 1 per plain pass, so p = (v2 + r) / v1 - 1.
-    What the schedule weighs each slot against (before the rounds' timings correct the table); "-" without both
-    widths."""
-    v = {int(w): t for w, t in verify.items()}
-    if 1 not in v or 2 not in v or v[1] <= 0:
-        return "-"
-    return f"{100 * ((v[2] + draft_round) / v[1] - 1):.0f}% acceptance"
+def break_evens(costs: dict[str, Any], batch: int) -> dict[str, tuple[float, float | None]]:
+    """Per drafter, the first-slot acceptance from which drafting pays at `batch` rows (`CostSchedule.break_even`):
+    by its cost table as measured, and as the eval's own rounds timed it (None where they timed nothing). `costs`: per
+    drafter, a `CostTable` as a dict, with the eval's `corrections`."""
+    from draftsmith.eval.schedule import CostSchedule, CostTable
+
+    out: dict[str, tuple[float, float | None]] = {}
+    for name, t in costs.items():
+        table = CostTable.from_dict(t)
+        if not any(2 in row for row in table.verify.values()):
+            continue
+        timed = t.get("corrections", {}).get(str(batch), t.get("corrections", {}).get(batch))
+        out[name] = (
+            CostSchedule(table, learn_costs=False).break_even(batch),
+            CostSchedule.as_timed(table, {batch: timed}).break_even(batch) if timed else None,
+        )
+    return out
 
 
 def cost_tables_markdown(costs: dict[str, Any]) -> str:
@@ -31,11 +39,15 @@ def cost_tables_markdown(costs: dict[str, Any]) -> str:
             "|---" * (len(widths) + 4) + "|",
         ]
         for b, row in sorted(t["verify"].items(), key=lambda kv: int(kv[0])):
+            row = {int(w): v for w, v in row.items()}  # (eval.json's keys are strings)
             cells = " | ".join(f"{1e3 * row[w]:.1f} ms" if w in row else "-" for w in widths)
-            draft_round = t["draft_round"].get(b, 0.0)
+            table, timed = break_evens({name: t}, int(b)).get(name, (None, None))
+            pays = "-" if table is None else f"{100 * table:.0f}% acceptance"
+            if timed is not None:
+                pays += f" ({100 * timed:.0f}% as timed in eval)"
             lines.append(
-                f"| {b} | {cells} | {1e3 * draft_round:.1f} ms | {1e3 * t['draft_step'].get(b, 0.0):.1f} ms "
-                f"| {first_slot_break_even(row, draft_round)} |"
+                f"| {b} | {cells} | {1e3 * t['draft_round'].get(b, 0.0):.1f} ms "
+                f"| {1e3 * t['draft_step'].get(b, 0.0):.1f} ms | {pays} |"
             )
         for b, kinds in t.get("corrections", {}).items():
             said = ", ".join(
@@ -69,14 +81,16 @@ def markdown_table(ev: dict[str, Any]) -> str:
             shape += " (" + ", ".join(f"{d}: {n} per round" for d, n in lengths.items()) + ")"
         lines.append(f"### T = {run['temperature']}, {shape}, max_new_tokens = {st['max_new_tokens']}")
         drafters = [d for d in run["drafters"] if d != "none"]
-        head = "| domain | prompts | plain tok/s | " + " | ".join(f"{d} τ | {d} speedup" for d in drafters) + " |"
-        lines += [head, "|" + "---|" * (3 + 2 * len(drafters))]
+        head = "| domain | prompts | plain tok/s | " + " | ".join(
+            f"{d} τ | {d} first slot | {d} speedup" for d in drafters
+        )
+        lines += [head + " |", "|" + "---|" * (3 + 3 * len(drafters))]
         for domain, row in run["domains"].items():
             plain = row["none"]
             cells = [domain, str(plain["prompts"]), f"{plain['tokens_per_s']:.1f}"]
             for d in drafters:
                 s = row[d]
-                cells += [f"{s['tau']:.2f}" if s["tau"] else "-", speedup_text(s)]
+                cells += [f"{s['tau']:.2f}" if s["tau"] else "-", first_slot_text(s), speedup_text(s)]
             lines.append("| " + " | ".join(cells) + " |")
         if len(run["domains"]) > 1 and run.get("overall"):
             plain = run["overall"]["none"]
@@ -85,9 +99,11 @@ def markdown_table(ev: dict[str, Any]) -> str:
                 s = run["overall"][d]
                 cells += [
                     f"**{s['tau']:.2f}**" if s["tau"] else "-",
+                    first_slot_text(s, bold=True),
                     speedup_text(s, bold=True),
                 ]
             lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", first_slot_caption(drafters, ev.get("costs", {}), int(st.get("batch_size") or 1))]
         if run.get("greedy_divergence"):
             lines.append("")
             lines.append(
@@ -106,6 +122,34 @@ def markdown_table(ev: dict[str, Any]) -> str:
     if ev.get("batch_curve"):
         lines.append(curve_table(ev["batch_curve"]))
     return "\n".join(lines)
+
+
+def first_slot_text(stats: dict[str, Any], bold: bool = False) -> str:
+    """A first-slot cell: the share of the rounds that drafted whose first draft the target accepted, then how many of
+    the rounds drafted, e.g. "12% (58/64)"; "-" where no round drafted (or eval.json predates the count)."""
+    drafted, share = stats.get("drafted_rounds"), (stats.get("acceptance_by_position") or [None])[0]
+    if not drafted or share is None:
+        return "-" if drafted is None else f"- (0/{stats['rounds']})"
+    text = f"{100 * share:.0f}%"
+    return f"**{text}** ({drafted}/{stats['rounds']})" if bold else f"{text} ({drafted}/{stats['rounds']})"
+
+
+def first_slot_caption(drafters: list[str], costs: dict[str, Any], batch: int) -> str:
+    """What the first-slot column says, with the acceptance each drafter's first slot needs to pay for itself at the
+    eval's batch size (`break_evens`): a domain whose first slots are accepted below it cannot be sped up by drafting
+    there, however the slots are scheduled; only a better drafter, or a cheaper draft round, lifts it."""
+    text = (
+        "First slot: the share of the rounds that drafted whose first draft the target accepted (rounds that drafted /"
+        " rounds)."
+    )
+    pays = break_evens({d: costs[d] for d in drafters if d in costs}, batch)
+    if pays:
+        text += " Drafting pays from: " + ", ".join(
+            f"{d} {100 * table:.0f}% by its cost table" + (f", {100 * timed:.0f}% as timed in eval" if timed else "")
+            for d, (table, timed) in pays.items()
+        )
+        text += f" ({batch} row{'s' if batch > 1 else ''} a pass; cost tables below)."
+    return text
 
 
 def speedup_text(stats: dict[str, Any], bold: bool = False) -> str:

@@ -173,6 +173,10 @@ def _clipped(measured: float, table: float) -> float:
     return measured - table
 
 
+TIMED_KINDS = ("plain", "wide", "increment", "draft", "step", "catch-up")
+"""The kinds of round whose cost a schedule's timings correct, per batch size (`CostSchedule.timed`)."""
+
+
 class CostSchedule:
     """The per-round admission rule of a trained proposer (`TrainedProposer.schedule`)."""
 
@@ -609,6 +613,24 @@ class CostSchedule:
         toward = self._shrunk(batch, "draft")
         return max(self.costs.round_time(batch) + self._shrunk(batch, "catch-up", toward), 0.0)
 
+    def break_even(self, batch: int) -> float:
+        """The first-slot acceptance p from which drafting one slot per row beats a plain step at this batch size, by
+        the table as corrected so far: (1 + p) tokens per (2-wide pass + draft round) against 1 per plain pass, the
+        comparison `worth_drafting` makes."""
+        return (self.verify_time(2, batch) + self.round_time(batch)) / self.verify_time(1, batch) - 1.0
+
+    @classmethod
+    def as_timed(cls, costs: CostTable, corrections: dict) -> CostSchedule:
+        """A schedule holding what an eval's rounds timed (`corrections` as it reports them, or as eval.json keeps
+        them: string batch sizes), so `break_even` and the times read the table as that eval corrected it. Learns
+        nothing more."""
+        schedule = cls(costs, learn_costs=False)
+        for b, kinds in corrections.items():
+            seen = schedule.excess.setdefault(int(b), {kind: [0.0, 0.0] for kind in TIMED_KINDS})
+            for kind, said in kinds.items():
+                seen[kind] = [said["excess_s"] * said["rounds"], said["rounds"]]
+        return schedule
+
     def catching_up(self) -> None:
         """Called by the proposer when this round's drafter update runs over more than the last round's verified slots
         (a new decode's prompt, or rounds it skipped): its drafting time is a catch-up, timed apart."""
@@ -624,17 +646,7 @@ class CostSchedule:
             return
         batch, width, steps = self.last
         self.last = None
-        seen = self.excess.setdefault(
-            batch,
-            {
-                "plain": [0.0, 0.0],
-                "wide": [0.0, 0.0],
-                "increment": [0.0, 0.0],
-                "draft": [0.0, 0.0],
-                "step": [0.0, 0.0],
-                "catch-up": [0.0, 0.0],
-            },
-        )
+        seen = self.excess.setdefault(batch, {kind: [0.0, 0.0] for kind in TIMED_KINDS})
         kind = "plain" if width == 1 else "wide"
         excess = _clipped(verify_seconds, self.costs.verify_time(width, batch))
         seen[kind][0] += excess

@@ -1030,14 +1030,39 @@ def test_the_report_gives_the_acceptance_the_schedule_weighs_a_first_slot_agains
     """The cost table's "a first slot pays from" column is the schedule's own line: a row whose first-slot confidence
     sits just above it is drafted, just below it is not (40 ms plain pass, 42 ms two slots wide, 4 ms draft round:
     (42 + 4) / 40 - 1 = 15%)."""
-    from draftsmith.eval.report import cost_tables_markdown, first_slot_break_even
+    from draftsmith.eval.report import break_evens, cost_tables_markdown
 
     table = CostTable(verify={1: {1: 0.040, 2: 0.042}}, draft_step={1: 0.001}, draft_round={1: 0.004})
-    assert first_slot_break_even(table.verify[1], table.draft_round[1]) == "15% acceptance"
-    assert first_slot_break_even({1: 0.040}, 0.004) == "-"
+    assert break_evens({"eagle3": asdict(table)}, 1) == {"eagle3": (pytest.approx(0.15), None)}
+    assert break_evens({"eagle3": asdict(CostTable(verify={1: {1: 0.040}}))}, 1) == {}  # no wider pass: no line
     on = torch.tensor([True])
     for c, drafts in ((0.151, True), (0.149, False)):
         s = by_last_confidence(table, learn_costs=False)
         assert s.worth_drafting(torch.tensor([c], dtype=torch.float64), on) is drafts, c
     md = cost_tables_markdown({"eagle3": {**asdict(table), "cached": False}})
     assert "| a first slot pays from |" in md and "| 15% acceptance |" in md
+
+
+def test_the_report_gives_the_line_the_eval_timed_as_the_schedule_drew_it():
+    """What an eval's rounds timed (`corrections`, as eval.json keeps them: string batch sizes) moves the line: plain
+    passes 1 ms dearer, wider ones 3 ms over plain ones, draft rounds 1 ms dearer. The report's "as timed" figure is
+    where a schedule holding those timings draws it: a confidence just above drafts, just below does not, and the
+    line is well above the table's 15%."""
+    from draftsmith.eval.report import break_evens, cost_tables_markdown
+
+    table = CostTable(verify={1: {1: 0.040, 2: 0.042}}, draft_step={1: 0.001}, draft_round={1: 0.004})
+    timed = {
+        "1": {
+            "plain": {"excess_s": 0.001, "rounds": 400.0},
+            "increment": {"excess_s": 0.001, "rounds": 100.0},
+            "draft": {"excess_s": 0.001, "rounds": 300.0},
+        }
+    }
+    (by_table, as_timed) = break_evens({"eagle3": {**asdict(table), "corrections": timed}}, 1)["eagle3"]
+    assert by_table == pytest.approx(0.15) and 0.19 < as_timed < 0.2  # (41 + 2 + 1 + 5) / 41 - 1 = 19.5%, shrunk
+    for c, drafts in ((as_timed + 1e-3, True), (as_timed - 1e-3, False)):
+        s = CostSchedule.as_timed(table, timed)
+        variant(s, "last")  # decided from the row's last confidence at face value: the line itself
+        assert s.worth_drafting(torch.tensor([c], dtype=torch.float64), torch.tensor([True])) is drafts, c
+    md = cost_tables_markdown({"eagle3": {**asdict(table), "cached": False, "corrections": timed}})
+    assert f"| 15% acceptance ({100 * as_timed:.0f}% as timed in eval) |" in md

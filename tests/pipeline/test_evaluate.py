@@ -56,7 +56,8 @@ def test_eval_stage(tmp_path):
     }
     for f in ("report.md", "tau_by_domain_T0.png", "survival_T1.png", "reliability_T0.png", "manifest.json"):
         assert (out / f).is_file(), f
-    assert "| math |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| math |" in report and "| eagle3 first slot |" in report and "First slot: the share" in report
 
     # tree drafting for the trained drafter (one prompt at a time), still exact under greedy decoding
     assert (
