@@ -1,4 +1,5 @@
-"""eval.json -> a Markdown table (console + report.md) and PNG plots (τ by domain, survival, reliability)."""
+"""eval.json -> a Markdown table (console + report.md) and PNG plots (τ by domain, first slot by domain against its
+break-even, survival, reliability)."""
 
 from __future__ import annotations
 
@@ -223,6 +224,23 @@ def curve_plot(points: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _domain_bars(ax, run: dict[str, Any], drafters: list[str], value) -> dict[str, Any]:
+    """One bar per domain and drafter of `value(stats)`, grouped by domain; returns each drafter's bar colour."""
+    domains = list(run["domains"])
+    width = 0.8 / max(1, len(drafters))
+    colours = {}
+    for j, d in enumerate(drafters):
+        bars = ax.bar(
+            [i + j * width for i in range(len(domains))],
+            [value(run["domains"][k][d]) for k in domains],
+            width,
+            label=d,
+        )
+        colours[d] = bars.patches[0].get_facecolor() if bars.patches else None
+    ax.set_xticks([i + width * (len(drafters) - 1) / 2 for i in range(len(domains))], domains, rotation=30, ha="right")
+    return colours
+
+
 def plots(ev: dict[str, Any], out: Path) -> list[str]:
     import matplotlib
 
@@ -230,22 +248,13 @@ def plots(ev: dict[str, Any], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
+    batch = int(ev["settings"].get("batch_size") or 1)
     for run in ev["runs"]:
         tag = f"T{run['temperature']:g}"
         domains = list(run["domains"])
         drafters = [d for d in run["drafters"] if d != "none"]
         fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(domains)), 4))
-        width = 0.8 / max(1, len(drafters))
-        for j, d in enumerate(drafters):
-            ax.bar(
-                [i + j * width for i in range(len(domains))],
-                [run["domains"][k][d]["tau"] or 0 for k in domains],
-                width,
-                label=d,
-            )
-        ax.set_xticks(
-            [i + width * (len(drafters) - 1) / 2 for i in range(len(domains))], domains, rotation=30, ha="right"
-        )
+        _domain_bars(ax, run, drafters, lambda s: s["tau"] or 0)
         ax.set_ylabel("acceptance length τ")
         ax.set_title(f"τ by domain ({tag})")
         ax.axhline(1.0, color="gray", lw=0.8)
@@ -254,6 +263,21 @@ def plots(ev: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / f"tau_by_domain_{tag}.png", dpi=110)
         plt.close(fig)
         written.append(f"tau_by_domain_{tag}.png")
+
+        if all("drafted_rounds" in run["domains"][k][d] for k in domains for d in drafters):  # (older eval.json)
+            fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(domains)), 4))
+            bars = _domain_bars(ax, run, drafters, lambda s: 100 * ((s["acceptance_by_position"] or [None])[0] or 0))
+            pays = break_evens({d: ev["costs"][d] for d in drafters if d in ev.get("costs", {})}, batch)
+            for d, (table, timed) in pays.items():
+                line = timed if timed is not None else table
+                ax.axhline(100 * line, ls="--", lw=1.2, color=bars[d], label=f"{d} pays from {100 * line:.0f}%")
+            ax.set_ylabel("first draft accepted, % of rounds that drafted")
+            ax.set_title(f"first slot by domain, against the acceptance drafting needs ({tag})")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(out / f"first_slot_{tag}.png", dpi=110)
+            plt.close(fig)
+            written.append(f"first_slot_{tag}.png")
 
         fig, ax = plt.subplots(figsize=(5, 4))
         for d in drafters:

@@ -58,3 +58,19 @@ def test_the_table_gives_each_drafter_its_first_slot_column_and_the_line_it_must
     assert "| math | 1 | " in md and "| 1.25 | 33% (3/4) | 1.02x [0.99, 1.05] |" in md
     # (40 + 2 + 2 x 98/100 + 4) / 40 - 1 = 19.9%
     assert "eagle3 15% by its cost table, 20% as timed in eval" in md
+
+
+def test_the_first_slot_plot_is_drawn_where_the_record_has_the_counts(tmp_path):
+    """eval writes first_slot_T*.png beside the τ plot (bars per domain and drafter, the break-even a dashed line);
+    an eval.json from before the count was kept still gets its other plots and no first-slot one."""
+    from draftsmith.eval.report import plots
+
+    stats = acceptance_stats([DecodeResult(tokens=[1] * 5, rounds=[(1, 1), (1, 0), (0, 0)], seconds=0.2)], 2)
+    table = CostTable(verify={1: {1: 0.040, 2: 0.042}}, draft_step={1: 0.001}, draft_round={1: 0.004})
+    run = {"temperature": 0.0, "drafters": ["none", "eagle3"], "domains": {"math": {"none": stats, "eagle3": stats}}}
+    run["overall"] = run["domains"]["math"]
+    ev = {"settings": {"draft_length": 2, "batch_size": 1}, "costs": {"eagle3": asdict(table)}, "runs": [run]}
+    assert plots(ev, tmp_path) == ["tau_by_domain_T0.png", "first_slot_T0.png", "survival_T0.png"]
+    assert (tmp_path / "first_slot_T0.png").stat().st_size > 0
+    del stats["drafted_rounds"]  # (every row of the run is this one dict)
+    assert plots(ev, tmp_path) == ["tau_by_domain_T0.png", "survival_T0.png"]

@@ -54,7 +54,14 @@ def test_eval_stage(tmp_path):
         "prompt_lookup": {"prompts": 0, "of": 8},
         "eagle3": {"prompts": 0, "of": 8},
     }
-    for f in ("report.md", "tau_by_domain_T0.png", "survival_T1.png", "reliability_T0.png", "manifest.json"):
+    for f in (
+        "report.md",
+        "tau_by_domain_T0.png",
+        "first_slot_T1.png",
+        "survival_T1.png",
+        "reliability_T0.png",
+        "manifest.json",
+    ):
         assert (out / f).is_file(), f
     report = (out / "report.md").read_text()
     assert "| math |" in report and "| eagle3 first slot |" in report and "First slot: the share" in report
