@@ -58,7 +58,8 @@ than it is would never be: no wider pass is run to show it. So while fewer than 
 timed at a batch size, a drafted round whose first slot does not pay by the table verifies the likeliest row's first
 slot anyway, when that is predicted to cost at most `explore_margin` of the round's rate; and once plain and wider
 passes have been timed one round apart, their paired difference corrects the wider pass's increment, up or down,
-each pair held within `pair_window` of the estimate so far (a hiccup of the machine is not the increment)
+each pair held within `pair_window` of the estimate so far (a hiccup of the machine is not the increment), both
+passes of one decode and neither a round's that caught up on skipped rounds (a probe's pass is dearer than drafting's)
 (on one AMD EPYC, two tables measured minutes apart put a second slot at +0% and +12% of a 32 ms pass, and EAGLE-3
 drafted on the first and never on the second; a third said +0% where pairs of rounds timed +8.9 ms).
 
@@ -274,7 +275,6 @@ class CostSchedule:
     checks: dict[int, int]
     probes: dict[int, int]
     explores: dict[int, int]
-    previous: dict[int, tuple[str, float]]
     predicted: list[float]
     accepted: list[float]
     verified: list[float]
@@ -291,6 +291,8 @@ class CostSchedule:
         self.halted = False
         self.last: tuple[int, int, int] | None = None  # (batch, width, draft steps; -1: not drafted) of this round
         self.behind = False  # this round's drafter update is a catch-up (`catching_up`)
+        # per batch size, the last pass of this decode that a pair may take (plain/wide, its excess): `timed`
+        self.previous: dict[int, tuple[str, float]] = {}
         self.batch = 0
         # what the rounds teach (see `_learned`), per sampling regime (`regime`); the current one's as attributes
         self.sampling: Hashable = None
@@ -305,8 +307,8 @@ class CostSchedule:
         the last probe (kept across decodes: `reset`); per batch size, (sum of measured − table, rounds) of plain
         passes, wider passes, the increment of neighbouring ones, draft rounds of one depth, the further depths of
         deeper ones (per depth) and catch-ups, the plain rounds taken in place of drafted ones to time it (`checks`),
-        the rounds that asked a drafter that did not pay again (`probes`), the slots verified only to time a wider
-        pass (`explores`) and the last pass timed (`previous`: plain/wide, excess); and the online calibration, per
+        the rounds that asked a drafter that did not pay again (`probes`) and the slots verified only to time a wider
+        pass (`explores`); and the online calibration, per
         depth i: the predicted survival Σ c_0...c_i of the slots verified so far, how many of them were accepted and
         how many verified, and (Σ confidence, count) of the first slots admission turned down (`declined`, for
         `first_slot_rate`) (kept across decodes, fading over `memory_rounds` rounds: only rounds already verified
@@ -319,7 +321,6 @@ class CostSchedule:
             "checks": {},
             "probes": {},
             "explores": {},
-            "previous": {},
             "predicted": [],
             "accepted": [],
             "verified": [],
@@ -453,6 +454,7 @@ class CostSchedule:
         third session). A catch-up said of a round that was never timed (a proposer driven outside the engine) does not
         mark the new decode's first timed round."""
         self.behind = False
+        self.previous = {}  # a pair never spans two decodes: their contexts differ by the prompts' spread
         # the last decode's rows, for the weight of a row's own slots (`row_weight`), with the regime they ran in
         for predicted, accepted in self.row_sums.values():
             if predicted:
@@ -576,7 +578,17 @@ class CostSchedule:
         - a table measured a pass 2 slots wide at what a plain one took (66.3 ms both), so a first slot paid from 8%
           acceptance; the means of the rounds said the same (wider passes 6.7 ms under it, plain ones 1.1), while 14
           pairs put the second slot at +8.9 ms; EAGLE-3 drafted every round, at 0.91x of plain decoding in one domain.
-          Taken only to lower the increment (as they were then), the pairs left that table as it was."""
+          Taken only to lower the increment (as they were then), the pairs left that table as it was.
+
+        Both passes of a pair are of one decode (`reset`: the contexts of two decodes differ by the prompts' spread),
+        and neither is the pass of a round that caught up on skipped rounds or a prompt (`catching_up`). Where drafting
+        has stopped, every wider pass is a probe's, right after such a catch-up, and it is not the pass a stretch of
+        drafting pays: on an AMX Xeon (launch/bench_round_pairs.py, both drafters at T = 0 and 1), a probe's target pass
+        after 12 or 13 skipped rounds took 0.8 ms more than a drafted round's after a drafted one (the mean of 8
+        medians, −0.3 to +2.4 ms), and its pairs put the increment 1.3 ms above the pairs of a plain round after a
+        drafted one (2.4 against 1.1 ms, medians). Paired, the probes of a stall priced a slot by what switching
+        costs, about 2 points of break-even on a 57 ms pass, and so held the stall. A stall now times no pair: its
+        increment stays what drafting last timed."""
         seen = self.excess.get(batch)
         if seen is None or not seen["increment"][1]:
             return None
@@ -652,8 +664,10 @@ class CostSchedule:
         seen[kind][0] += excess
         seen[kind][1] += 1
         # a plain and a wider pass timed one after the other, a round apart: their difference is the increment as
-        # the machine runs now, whatever its speed did between the minutes the two means were taken over
-        before = self.previous.get(batch)
+        # the machine runs now, whatever its speed did between the minutes the two means were taken over. Not the
+        # pass of a round that caught up (a probe after skipped rounds, a decode's first drafted round): it is not
+        # the pass a stretch of drafting pays (`_paired`)
+        before = None if behind else self.previous.get(batch)
         if before is not None and before[0] != kind:
             wide, plain = (excess, before[1]) if kind == "wide" else (before[1], excess)
             # held within `pair_window` of the estimate so far: one hiccup of the machine is not the increment
@@ -661,7 +675,10 @@ class CostSchedule:
             so_far, window = diff / (n + self.cost_prior), self.pair_window * self.costs.verify_time(1, batch)
             seen["increment"][0] += min(max(wide - plain, so_far - window), so_far + window)
             seen["increment"][1] += 1
-        self.previous[batch] = (kind, excess)
+        if behind:
+            self.previous.pop(batch, None)
+        else:
+            self.previous[batch] = (kind, excess)
         if steps < 0:
             return
         table_step = self.costs.step_time(batch)

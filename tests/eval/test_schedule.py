@@ -654,6 +654,36 @@ def test_one_hiccup_in_a_pair_does_not_price_drafting_out():
     assert drafted(unbounded) <= 10  # (5)
 
 
+def test_a_pair_never_spans_two_decodes_nor_takes_the_pass_of_a_round_that_caught_up():
+    """A table of a 40 ms plain pass, 42 ms two slots wide. Decode A times a plain pass (40) and a wider one (44): one
+    pair, +2 ms over the table. Decode B's first round is plain (40): it is not paired with decode A's last, wider
+    pass. Its first drafted round catches up on the prompt and the skipped rounds, and its pass takes 50 ms (a probe's):
+    not paired with the plain pass before it, nor with the one after. A wider pass after a drafted round's (44) pairs
+    again, with the plain ones on either side. Mutations: `reset` keeping the last pass (4 pairs); a catch-up's pass
+    paired with the pass before it (4 pairs, one of +8 ms), or with the pass after it (4)."""
+    table = CostTable(verify={1: {1: 0.040, 2: 0.042}}, draft_step={1: 0.001}, draft_round={1: 0.004})
+    s = CostSchedule(table)
+
+    def timed(width: int, seconds: float, caught_up: bool = False) -> None:
+        s.last = (1, width, -1 if width == 1 else 0)  # as `worth_drafting` / `admit` leave it
+        if caught_up:
+            s.catching_up()
+        s.timed(seconds, 0.0 if width == 1 else 0.004)
+
+    timed(1, 0.040)
+    timed(2, 0.044)
+    assert s.excess[1]["increment"] == [pytest.approx(0.002), 1]
+    s.reset()  # decode B
+    timed(1, 0.040)
+    timed(2, 0.050, caught_up=True)
+    timed(1, 0.040)
+    assert s.excess[1]["increment"] == [pytest.approx(0.002), 1]
+    timed(2, 0.044)
+    timed(1, 0.040)
+    assert s.excess[1]["increment"] == [pytest.approx(0.006), 3]
+    assert s.verify_time(2, 1) - s.verify_time(1, 1) == pytest.approx(0.002 + 0.006 / 5)
+
+
 def test_wider_passes_timed_in_a_slow_spell_do_not_keep_drafting_off_once_pairs_time_the_increment():
     """The table is flat (a pass 1.0 one or two slots wide), a draft round 0.1. For 30 rounds the machine runs slow (a
     plain pass 1.3, a wider one 1.45) with first slots at 0.15: the schedule drafts a few times, and some of its wider
