@@ -638,10 +638,14 @@ class CostSchedule:
         nothing more."""
         schedule = cls(costs, learn_costs=False)
         for b, kinds in corrections.items():
-            seen = schedule.excess.setdefault(int(b), {kind: [0.0, 0.0] for kind in TIMED_KINDS})
+            seen = schedule._timings(int(b))
             for kind, said in kinds.items():
                 seen[kind] = [said["excess_s"] * said["rounds"], said["rounds"]]
         return schedule
+
+    def _timings(self, batch: int) -> dict[str, list[float]]:
+        """(sum of measured − table, rounds) per kind of round (`TIMED_KINDS`) at this batch size, empty at first."""
+        return self.excess.setdefault(batch, {kind: [0.0, 0.0] for kind in TIMED_KINDS})
 
     def catching_up(self) -> None:
         """Called by the proposer when this round's drafter update runs over more than the last round's verified slots
@@ -658,7 +662,7 @@ class CostSchedule:
             return
         batch, width, steps = self.last
         self.last = None
-        seen = self.excess.setdefault(batch, {kind: [0.0, 0.0] for kind in TIMED_KINDS})
+        seen = self._timings(batch)
         kind = "plain" if width == 1 else "wide"
         excess = _clipped(verify_seconds, self.costs.verify_time(width, batch))
         seen[kind][0] += excess
@@ -667,17 +671,15 @@ class CostSchedule:
         # the machine runs now, whatever its speed did between the minutes the two means were taken over. Not the
         # pass of a round that caught up (a probe after skipped rounds, a decode's first drafted round): it is not
         # the pass a stretch of drafting pays (`_paired`)
-        before = None if behind else self.previous.get(batch)
-        if before is not None and before[0] != kind:
-            wide, plain = (excess, before[1]) if kind == "wide" else (before[1], excess)
-            # held within `pair_window` of the estimate so far: one hiccup of the machine is not the increment
-            diff, n = seen["increment"]
-            so_far, window = diff / (n + self.cost_prior), self.pair_window * self.costs.verify_time(1, batch)
-            seen["increment"][0] += min(max(wide - plain, so_far - window), so_far + window)
-            seen["increment"][1] += 1
-        if behind:
-            self.previous.pop(batch, None)
-        else:
+        before = self.previous.pop(batch, None)
+        if not behind:
+            if before is not None and before[0] != kind:
+                wide, plain = (excess, before[1]) if kind == "wide" else (before[1], excess)
+                # held within `pair_window` of the estimate so far: one hiccup of the machine is not the increment
+                diff, n = seen["increment"]
+                so_far, window = diff / (n + self.cost_prior), self.pair_window * self.costs.verify_time(1, batch)
+                seen["increment"][0] += min(max(wide - plain, so_far - window), so_far + window)
+                seen["increment"][1] += 1
             self.previous[batch] = (kind, excess)
         if steps < 0:
             return
