@@ -32,7 +32,7 @@ import json
 import random
 import statistics
 from collections import defaultdict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from draftsmith.eval.engine import decode
 from draftsmith.eval.sampling import SamplingParams
-from draftsmith.eval.schedule import CostTable
+from draftsmith.eval.schedule import CostTable, ScriptedSchedule
 
 METHOD = 8
 """The version of how tables are measured, part of the cache key: a table measured another way is measured again
@@ -67,7 +67,7 @@ class Round:
     """The drafter's update ran over more than one round's slots (a decode's prompt, or a plain round before)."""
 
 
-class Rotation:
+class Rotation(ScriptedSchedule):
     """The admission rule `measure_costs` decodes with (a `TrainedProposer.schedule`): round after round the chain
     lengths 0 ... γmax take turns, each cycle in a fresh order (shuffled by a seeded generator, so a table is measured
     the same way every time), and every active row drafts and verifies the round's length; the engine's timers of each
@@ -79,7 +79,7 @@ class Rotation:
         self.gamma_max, self.rng = gamma_max, random.Random(seed)
         self.cycle, self.gamma, self.depth = -1, 0, 0
         self.order: list[int] = []  # what is left of this cycle's lengths
-        self.decided, self.halted, self.behind = False, False, False
+        self.decided, self.behind = False, False
         self.rounds: list[Round] = []
 
     def _next(self) -> None:
@@ -118,10 +118,6 @@ class Rotation:
         """A new decode: a new cycle (a wider pass is paired only with a plain one of its own decode)."""
         self.decided, self.depth, self.behind = False, 0, False
         self.order = []
-
-    def regime(self, sampling: Hashable) -> None: ...
-
-    def observe(self, confidences, accepted) -> None: ...
 
 
 def nondecreasing(values: Sequence[float]) -> list[float]:

@@ -783,6 +783,44 @@ class CostSchedule:
         return (self.expected + survival) / wider >= (1 - self.explore_margin) * rate
 
 
+class ScriptedSchedule:
+    """A schedule (`TrainedProposer.schedule`) whose rounds follow a script rather than what they teach: the protocol
+    the proposers call, learning nothing (`regime`, `observe`, `timed`, `catching_up` and `reset` do nothing), and one
+    slot per drafted row (`admit`). A subclass says which rounds draft (`worth_drafting`) and keeps what it needs of
+    the rest: the cost table's measuring rotation (`eval.costs.Rotation`) and the benches' fixed patterns."""
+
+    halted = False
+    """Whether the proposer takes no further draft step this round (read after each `admit`)."""
+
+    def regime(self, sampling: Hashable) -> None:
+        """The sampling the coming rounds decode with: nothing is learned, so nothing is kept per regime."""
+
+    def worth_drafting(self, c0: torch.Tensor | Sequence[float], active: torch.Tensor | Sequence[bool]) -> bool:
+        """Whether this round runs the drafter: the script's, never the rows' confidences."""
+        raise NotImplementedError
+
+    def begin(self, drafting: torch.Tensor) -> None:
+        """A new drafted round for the rows in `drafting` (bool [B])."""
+        self.halted = False
+
+    def admit(self, i: int, conf: torch.Tensor, survival: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
+        """Every drafting row drafts slot 0, and no further one."""
+        self.halted = True
+        return drafting
+
+    def observe(self, confidences: list[list[float]], accepted: list[int]) -> None:
+        """A verified round's outcomes: a script does not learn from them."""
+
+    def timed(self, verify_seconds: float, draft_seconds: float) -> None:
+        """The round's timers: kept by subclasses that record them."""
+
+    def catching_up(self) -> None:
+        """This round's drafter update catches up on skipped rounds or a prompt: noted by subclasses that time it."""
+
+    def reset(self) -> None:
+        """A new decode: subclasses whose script restarts there say so."""
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "pooled": {"row_prior": None},
     "last": {"decide_by_level": False, "level_slots": 0, "evidence": 0.0},

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+from draftsmith.eval.schedule import ScriptedSchedule
 
 
-class EveryNth:
+class EveryNth(ScriptedSchedule):
     """A schedule (`TrainedProposer.schedule`) that drafts the first round of a decode and every n-th round after it,
     one slot each, and skips the others: the rounds between are kept and caught up on as the cost schedule's are."""
-
-    halted = False
 
     def __init__(self, n: int):
         if n < 1:
@@ -36,20 +34,8 @@ class EveryNth:
         self.skipped += not drafts
         return drafts
 
-    def begin(self, drafting: torch.Tensor) -> None:
-        self.halted = False
-
-    def admit(self, i: int, conf, survival, drafting: torch.Tensor) -> torch.Tensor:
-        self.halted = True  # one slot a round
-        return drafting
-
     def reset(self) -> None:
         self.round = 0
-
-    def regime(self, sampling) -> None: ...
-    def observe(self, confidences, accepted) -> None: ...
-    def timed(self, verify_seconds: float, draft_seconds: float) -> None: ...
-    def catching_up(self) -> None: ...
 
 
 def first_slots(rounds) -> tuple[int, int, int, int]:

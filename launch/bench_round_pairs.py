@@ -24,18 +24,16 @@ import argparse
 import statistics
 from collections import defaultdict
 
-import torch
+from draftsmith.eval.schedule import ScriptedSchedule
 
 CYCLE = "PPPPPPPPPPPPDDDPDPPDDP"
 """The rounds of one cycle: P a plain round (the drafter skipped), D a drafted one (one slot per row)."""
 
 
-class Cycle:
+class Cycle(ScriptedSchedule):
     """A schedule (`TrainedProposer.schedule`) that drafts the rounds `pattern` marks D, one slot each, and skips the
     others (kept and caught up on as the cost schedule's are), restarting the pattern at every decode; it keeps every
     round's target-pass seconds with its letter and the number of plain rounds right before it (`rounds`)."""
-
-    halted = False
 
     def __init__(self, pattern: str = CYCLE):
         if not pattern or set(pattern) - {"P", "D"}:
@@ -48,13 +46,6 @@ class Cycle:
     def worth_drafting(self, c0, active) -> bool:
         return self.pattern[self.round % len(self.pattern)] == "D"
 
-    def begin(self, drafting: torch.Tensor) -> None:
-        self.halted = False
-
-    def admit(self, i: int, conf, survival, drafting: torch.Tensor) -> torch.Tensor:
-        self.halted = True  # one slot a round
-        return drafting
-
     def timed(self, verify_seconds: float, draft_seconds: float) -> None:
         kind = self.pattern[self.round % len(self.pattern)]
         self.rounds.append((self.decode, kind, self.plain_before, verify_seconds))
@@ -63,10 +54,6 @@ class Cycle:
 
     def reset(self) -> None:
         self.round, self.decode, self.plain_before = 0, self.decode + 1, 0
-
-    def regime(self, sampling) -> None: ...
-    def observe(self, confidences, accepted) -> None: ...
-    def catching_up(self) -> None: ...
 
 
 def pairs(rounds: list[tuple[int, str, int, float]]) -> dict[str, list[float]]:

@@ -6,8 +6,8 @@ against batch size (the batch curve).
         [--temperatures 0,1] [--batches 1,4,16,64] [--curve-temperatures 0] [--curve-repeats 1]
         [--curve-schedules fixed,threshold,cost] [--schedules fixed,threshold,cost] [--threshold 0.5] [--out DIR]
 
-A schedule is one of eval's (fixed, threshold, cost) or `cost-pooled` (the cost schedule without its per-row
-calibration, `VARIANTS`).
+A schedule is one of eval's (fixed, threshold, cost) or a variant of the cost schedule (`cost-pooled`, `cost-last`,
+`cost-greedy`: `VARIANTS`).
 
 Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding, by every
 (drafter, schedule) and by plain decoding again (the A/A column: the noise of a ratio measured this way), side by side
@@ -29,14 +29,14 @@ from collections import defaultdict
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from draftsmith.eval import schedule
+
 AGAIN = "none/again"
 """Plain decoding run a second time, after every other configuration of the prompt (an A/A comparison)."""
-VARIANTS = {f"cost-{name}": ("cost", name) for name in ("pooled", "last", "greedy")}
+VARIANTS = {f"cost-{name}": ("cost", name) for name in schedule.VARIANTS}
 """Schedules of this bench only, for a side-by-side comparison: name -> (eval schedule, its variant in
-`eval.schedule.VARIANTS`). `cost-pooled` is the cost schedule calibrated by its pooled ratio alone, without each row's
-own; `cost-last` decides whether to draft from each row's last first-slot confidence (the rule before 2026-12-07);
-`cost-greedy` stops drafting wherever the level as estimated says it does not pay, with no evidence asked for (the
-rule before 2026-12-07's fifth session)."""
+`eval.schedule.VARIANTS`, which says what each one is: `cost-pooled`, `cost-last`, `cost-greedy`), one per rule there,
+so a rule added there is a schedule here."""
 
 
 def main() -> None:
@@ -72,7 +72,6 @@ def main() -> None:
     from draftsmith.eval.report import cost_tables_markdown, curve_plot, curve_table
     from draftsmith.eval.runner import HFTarget
     from draftsmith.eval.sampling import SamplingParams
-    from draftsmith.eval.schedule import variant
     from draftsmith.pipeline.evaluate import Decoder, bench_inputs, summarize
     from draftsmith.pipeline.families import get_family
     from draftsmith.pipeline.target import cache_root
@@ -126,7 +125,7 @@ def main() -> None:
         rule, which = VARIANTS.get(mode, (mode, None))
         proposers[name].use(rule, tables[name.split("/")[0]], args.threshold)
         if rule == "cost":  # the batch curve switches one proposer's one cost schedule between the variants
-            variant(proposers[name].schedule, which)
+            schedule.variant(proposers[name].schedule, which)
 
     for family in families:
         for mode in schedules:

@@ -15,7 +15,7 @@ from draftsmith.eval.engine import decode
 from draftsmith.eval.proposers import DSparkProposer, Eagle3Proposer, Proposal
 from draftsmith.eval.runner import HFTarget
 from draftsmith.eval.sampling import SamplingParams, make_generator
-from draftsmith.eval.schedule import CostSchedule, CostTable, variant
+from draftsmith.eval.schedule import CostSchedule, CostTable, ScriptedSchedule, variant
 from tests.eval.test_dspark_exactness import FeatureBigramTarget, _emitted_dspark, _exact, _tiny_dspark
 from tests.eval.test_exactness import P, _eagle3, chi_square_pvalue, plain_greedy
 
@@ -33,6 +33,28 @@ def by_last_confidence(table: CostTable, learn_costs: bool = True) -> CostSchedu
     probes and the timing corrections script "drafting pays" and "it does not" through that confidence, a round at a
     time; what they test does not depend on where the prediction comes from."""
     return variant(CostSchedule(table, learn_costs), "last")
+
+
+def test_a_scripted_schedule_answers_everything_a_proposer_asks_of_a_schedule():
+    """The proposers call a schedule's methods by name (`self.schedule.X`): the cost schedule and the scripted base the
+    cost table's rotation and the benches' patterns share must both have each one, so a call added to the proposers
+    fails here rather than mid-bench. The base learns nothing and drafts one slot per row."""
+    import re
+    from pathlib import Path
+
+    import draftsmith.eval.proposers as proposers
+
+    called = set(re.findall(r"self\.schedule\.(\w+)", Path(proposers.__file__).read_text()))
+    assert {"worth_drafting", "admit", "timed", "reset"} <= called  # the search reads what it should
+    script = ScriptedSchedule()
+    for schedule in (CostSchedule(TABLE), script):
+        assert not {name for name in called if not hasattr(schedule, name)}, type(schedule).__name__
+    drafting = torch.tensor([True, False, True])
+    script.begin(drafting)
+    assert not script.halted
+    assert torch.equal(script.admit(0, torch.ones(3), torch.ones(3), drafting), drafting) and script.halted
+    with pytest.raises(NotImplementedError):
+        script.worth_drafting([math.nan], [True])
 
 
 def test_a_variant_sets_its_rule_on_one_schedule():
