@@ -52,7 +52,9 @@ waits, not what a stretch of drafting costs), shrunk toward 0 by `cost_prior` ro
 plain pass's correction, and above it by the table's increment as the paired timings correct it). Both sides of the
 decision must be timed: a schedule that drafts every round times no plain pass, so while drafting pays by less than
 `check_margin` (the decision hangs on the timings) it takes a plain round now and then (`check_every`, until
-`check_rounds` plain passes are timed at that batch size). A table that made verifying two slots look as cheap as one, or a plain pass
+`check_rounds` plain passes are timed at that batch size, and beyond while what drafting gains is within
+`check_errors` standard errors of the increment's estimate: its pairs are what tells a slot that pays from one that
+does not). A table that made verifying two slots look as cheap as one, or a plain pass
 look dearer than it is, is corrected after the few rounds that drafted on it. One that made a wider pass look dearer
 than it is would never be: no wider pass is run to show it. So while fewer than `explore_rounds` wider passes are
 timed at a batch size, a drafted round whose first slot does not pay by the table verifies the likeliest row's first
@@ -255,13 +257,30 @@ class CostSchedule:
     slot paid from 41% acceptance, and the schedule did not draft for about 450 rounds, in which its probes timed 5
     pairs more. A wider pass dear for good moves the window with the estimate, a bound per pair (+0.2, +0.27, +0.32, ...
     for a table 0.46 under the machine's): it is learned in a few pairs more, not missed."""
+    pair_trim = 0.2
+    """Share of the pairs at each end left out of the increment's estimate (a trimmed mean, `_pair_estimate`): a pair
+    is two passes a round apart, and one pass in a slow moment of the machine moves it by more than the increment.
+    Timed pair by pair on an AMX Xeon (EAGLE-3, 18 eval prompts, a plain round after every 3 drafted ones), pairs
+    spread by 3.9 ms (one standard deviation) around an increment of 1.4-1.8 ms."""
+    pair_memory = 256
+    """Pairs per batch size the increment is estimated from (the last ones): the machine's speed drifts, and the
+    increment with it."""
     check_margin = 0.25
     """While drafting is predicted to raise the rate by less than this share, the decision hangs on the timings, and
     the plain pass is timed too (a plain round in place of a drafted one, every `check_every` drafted rounds)."""
     check_every = 4
     """Drafted rounds per plain round taken to time the plain pass (while the margin is under `check_margin`)."""
     check_rounds = 16
-    """Plain passes timed at a batch size after which no more plain rounds are taken to time it."""
+    """Plain passes timed at a batch size after which plain rounds are taken only while the increment is too unsure
+    for the decision (`check_errors`)."""
+    check_errors = 2.0
+    """Plain rounds go on being taken past `check_rounds` while what drafting gains per round, in seconds, is under
+    this many standard errors of the increment's estimate (`pair_error`): the pairs each check times are what tells
+    a slot that pays from one that does not, and a check costs little where drafting gains little. Stopped at 16, a
+    bench's EAGLE-3 at T = 0 (an AMX Xeon, 54 eval prompts) priced a second slot by 16 pairs at +0.7 ms, where pass by
+    pass it cost +1.8-2.0 ms (a standard error of about 1 ms at 16 pairs): drafting paid from 11% by its reckoning and
+    from about 14% on the machine, and extraction, its first slots accepted 12% of the time, ran at 0.96x of plain
+    decoding; at T = 1, 22 pairs said +5.2 ms, 18%, and it stopped drafting in writing at 17%."""
     explore_rounds = 4
     """Wider passes timed at a batch size below which a drafted round that admits nothing verifies one slot anyway,
     to time a wider pass (a table can make it look dearer than it is, and nothing else would run one)."""
@@ -272,6 +291,7 @@ class CostSchedule:
     backoff: int
     skipped: int
     excess: dict[int, dict[str, list[float]]]
+    pairs: dict[int, list[float]]
     checks: dict[int, int]
     probes: dict[int, int]
     explores: dict[int, int]
@@ -318,6 +338,7 @@ class CostSchedule:
             "backoff": 1,
             "skipped": 0,
             "excess": {},
+            "pairs": {},
             "checks": {},
             "probes": {},
             "explores": {},
@@ -499,7 +520,8 @@ class CostSchedule:
         if (n + seen + new) / pass_cost >= plain:
             if (n + seen) / pass_cost >= plain:  # the rows' own confidences say it pays: no backoff
                 self.backoff = 1
-                if (n + seen) / pass_cost < plain * (1 + self.check_margin) and self._check_plain(batch):
+                gain = (n + seen) / plain - pass_cost  # seconds a drafted round could cost more and still pay
+                if (n + seen) / pass_cost < plain * (1 + self.check_margin) and self._check_plain(batch, gain):
                     self.checks[batch] = self.checks.get(batch, 0) + 1
                     return False  # a plain round, to time the plain pass: the backoff and skip count stay
             self.skipped = 0
@@ -526,14 +548,21 @@ class CostSchedule:
         ):
             sums[:] = [x * keep for x in sums]
 
-    def _check_plain(self, batch: int) -> bool:
-        """Whether this drafted round should be a plain one instead, to time the plain pass: fewer than one plain pass
-        timed per `check_every` drafted rounds at this batch size, and fewer than `check_rounds` in all."""
+    def _check_plain(self, batch: int, gain: float) -> bool:
+        """Whether this drafted round should be a plain one instead, to time the plain pass (and, with its drafted
+        neighbour, a pair): fewer than one plain pass timed per `check_every` drafted rounds at this batch size, and
+        fewer than `check_rounds` in all, or `gain` (the seconds a drafted round could cost more and still pay) under
+        `check_errors` standard errors of the increment (`pair_error`)."""
         seen = self.excess.get(batch)
         if not self.learn_costs or seen is None:
             return False
         plain, drafted = seen["plain"][1], seen["draft"][1] + seen["step"][1]
-        return plain < min(self.check_rounds, drafted // self.check_every)
+        if plain >= drafted // self.check_every:
+            return False
+        if plain < self.check_rounds:
+            return True
+        error = self.pair_error(batch)
+        return error is not None and gain < self.check_errors * error
 
     def _shrunk(self, batch: int, kind: str, toward: float = 0.0) -> float:
         """The mean of measured − table over the rounds seen of this kind, shrunk toward `toward`."""
@@ -567,9 +596,9 @@ class CostSchedule:
 
     def _paired(self, batch: int) -> float | None:
         """How much more (or less) than the table the increment of a wider pass over a plain one is, as timed (None
-        before any pair is timed at this batch size): the mean over pairs of a plain and a wider pass timed one round
-        apart of (wider excess − plain excess), each held within `pair_window` of the estimate before it, shrunk toward
-        0 by `cost_prior` pairs, and never below a plain pass. Paired, not the difference of the two means: the plain
+        before any pair is timed at this batch size): the trimmed mean (`pair_trim`, over the last `pair_memory`) over
+        pairs of a plain and a wider pass timed one round apart of (wider excess − plain excess), each held within
+        `pair_window` of the estimate before it, shrunk toward 0 by `cost_prior` pairs, and never below a plain pass. Paired, not the difference of the two means: the plain
         passes are timed in a few stretches (the skipped rounds, the checks) and the wider ones in others, and a
         2-core machine shared with others changes speed by more than the increment between them. Both ways, on one
         AMD EPYC:
@@ -595,6 +624,38 @@ class CostSchedule:
         diff, n = seen["increment"]
         table = self.costs.verify_time(2, batch) - self.costs.verify_time(1, batch)
         return max(diff / (n + self.cost_prior), -table)
+
+    def _pair(self, batch: int, diff: float) -> None:
+        """One pair's wider − plain excess over the table: held within `pair_window` of the estimate so far (one
+        hiccup of the machine is not the increment), kept with the last `pair_memory`, and the increment's correction
+        (`excess["increment"]`, as `corrections` reports it and `_paired` reads it) set to their trimmed mean times
+        their count."""
+        seen = self._timings(batch)
+        diff_sum, n = seen["increment"]
+        so_far, window = diff_sum / (n + self.cost_prior), self.pair_window * self.costs.verify_time(1, batch)
+        pairs = self.pairs.setdefault(batch, [])
+        pairs.append(min(max(diff, so_far - window), so_far + window))
+        del pairs[: -self.pair_memory]
+        seen["increment"] = [self._pair_estimate(pairs) * len(pairs), float(len(pairs))]
+
+    def _pair_estimate(self, pairs: Sequence[float]) -> float:
+        """The mean of `pairs` without the `pair_trim` share at each end (the plain mean under 5 pairs)."""
+        k = int(self.pair_trim * len(pairs))
+        kept = sorted(pairs)[k : len(pairs) - k]
+        return sum(kept) / len(kept)
+
+    def pair_error(self, batch: int) -> float | None:
+        """The standard error of the increment's trimmed mean at this batch size (None under 2 pairs): the
+        winsorized standard deviation of the pairs over (1 − 2g)√n, g the share trimmed at each end."""
+        pairs = sorted(self.pairs.get(batch, ()))
+        n = len(pairs)
+        if n < 2:
+            return None
+        k = int(self.pair_trim * n)
+        clipped = [min(max(x, pairs[k]), pairs[n - 1 - k]) for x in pairs]
+        mean = sum(clipped) / n
+        sd = math.sqrt(sum((x - mean) ** 2 for x in clipped) / (n - 1))
+        return sd / ((1.0 - 2.0 * k / n) * math.sqrt(n))
 
     def round_time(self, batch: int) -> float:
         """The table's draft round corrected by the measured rounds of one depth that followed a drafted round (the
@@ -675,11 +736,7 @@ class CostSchedule:
         if not behind:
             if before is not None and before[0] != kind:
                 wide, plain = (excess, before[1]) if kind == "wide" else (before[1], excess)
-                # held within `pair_window` of the estimate so far: one hiccup of the machine is not the increment
-                diff, n = seen["increment"]
-                so_far, window = diff / (n + self.cost_prior), self.pair_window * self.costs.verify_time(1, batch)
-                seen["increment"][0] += min(max(wide - plain, so_far - window), so_far + window)
-                seen["increment"][1] += 1
+                self._pair(batch, wide - plain)
             self.previous[batch] = (kind, excess)
         if steps < 0:
             return

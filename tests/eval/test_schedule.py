@@ -420,13 +420,15 @@ def test_the_schedule_corrects_a_table_that_makes_drafting_look_cheap():
     wider pass says +0.46, and counts at most `pair_window` (0.2 of a plain pass) off the estimate so far: +0.2, then
     +0.27, +0.32, +0.36, +0.39 (a hiccup of the machine is not the increment). So the schedule drafts 9 of its first
     12 rounds (a pair forms only where a plain round meets a drafted one) and then only to probe, the wider pass priced
-    at 1.04 + 1.53 / 7 = 1.26: a table this wrong costs a few rounds, not the decode (counted at +0.46 in full, as
-    before the window, 2 of 8). With the correction off (the mutation) it drafts on every round."""
+    at 1.04 + 5 × 0.313 / 7 = 1.26 (the mean of the five without the lowest and the highest, `pair_trim`): a table this
+    wrong costs a few rounds, not the decode (counted at +0.46 in full, as before the window, 2 of 8). With the
+    correction off (the mutation) it drafts on every round."""
     cheap = CostTable(verify={1: {1: 1.0, 2: 1.04}}, draft_step={1: 0.01}, draft_round={1: 0.02})
     s = by_last_confidence(cheap)
     rounds = [_round(s, 0.2, 1.0, 1.5, 0.02) for _ in range(16)]
     assert rounds == [1, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0]
-    assert s.verify_time(2, 1) == pytest.approx(1.04 + 1.53 / 7) and s.verify_time(1, 1) == 1.0
+    assert s.pairs[1] == pytest.approx([0.2, 0.8 / 3, 0.95 / 3, 1.07 / 3, 0.39])
+    assert s.verify_time(2, 1) == pytest.approx(1.04 + 0.94 / 3 * 5 / 7) and s.verify_time(1, 1) == 1.0
     fixed = by_last_confidence(cheap, learn_costs=False)
     assert [_round(fixed, 0.2, 1.0, 1.5, 0.02) for _ in range(20)] == [1] * 20
 
@@ -609,20 +611,21 @@ def test_a_machine_that_speeds_up_after_the_plain_passes_were_timed_does_not_mak
     1 / 0.90). Compared mean against mean, the plain passes (slow minutes) and the wider ones (mostly fast minutes)
     made a second slot look free, and the schedule drafted every round at 0.14 (the mutation: the unpaired
     difference, as on one AMD EPYC at T = 1, 0.96x of plain decoding); paired a round apart, the increment stays the
-    table's 0.07 and it drafts only to probe."""
+    table's 0.07 and it drafts only to probe. (The one pair across the change, −0.2, is the lowest of 32: trimmed
+    (`pair_trim`), it moves nothing.)"""
     table = CostTable(verify={1: {1: 1.0, 2: 1.07}}, draft_step={1: 0.05}, draft_round={1: 0.1})
     s = by_last_confidence(table)
     slow = [_round(s, 0.3, 1.10, 1.17, 0.1) for _ in range(80)]
     assert s.checks == {1: 16} and sum(slow) == 64
     assert all(_round(s, 0.3, 0.90, 0.97, 0.1) for _ in range(300))
-    # every pair but the one across the change (its plain pass slow, its wider one fast: -0.2) shows the table's
-    # increment (16 plain rounds, each between two wider ones: 32 pairs)
+    # every pair but the one across the change (its plain pass slow, its wider one fast: -0.2, trimmed) shows the
+    # table's increment (16 plain rounds, each between two wider ones: 32 pairs)
     said = s.corrections()[1]["increment"]
     gap = s.verify_time(2, 1) - s.verify_time(1, 1)
     late = [_round(s, 0.14, 0.90, 0.97, 0.1) for _ in range(40)]
     assert sum(late) <= 4, late
-    assert said["rounds"] == 32 and said["excess_s"] == pytest.approx(-0.2 / 32)
-    assert gap == pytest.approx(0.07 - 0.2 / 34)
+    assert said["rounds"] == 32 and said["excess_s"] == pytest.approx(0.0, abs=1e-12)
+    assert gap == pytest.approx(0.07)
 
 
 def test_pairs_of_rounds_that_time_a_wider_pass_dearer_than_the_table_raise_its_increment():
@@ -633,7 +636,7 @@ def test_pairs_of_rounds_that_time_a_wider_pass_dearer_than_the_table_raise_its_
     runs fast (1.0 for a wider pass) for 300 drafted rounds; no plain pass is timed any more (it would take 0.9). The
     means now put a wider pass (about 1.05) under the plain one (1.18) and say nothing of the increment; the pairs
     (all but the one across the change, its plain pass slow and its wider one fast: −0.2, counted at the window's
-    −0.11) put it at +2.99 / 34. A slot
+    −0.11 and trimmed as the lowest) put it at +0.1 × 32 / 34. A slot
     at 0.08 then loses on the machine (1.08 / 1.05 against 1 / 0.9) and by the corrected table
     (1.08 / (0.05 + 1.26) against 1 / 1.18), so the schedule drafts only to probe. With the pairs taken only to lower
     the increment (the mutation: as it was), the table's flat increment stands and it drafts every round."""
@@ -643,8 +646,10 @@ def test_pairs_of_rounds_that_time_a_wider_pass_dearer_than_the_table_raise_its_
     assert s.checks == {1: 16} and sum(slow) == 64
     assert all(_round(s, 0.3, 0.9, 1.0, 0.05) for _ in range(300))
     said = s.corrections()[1]["increment"]
-    # the pair across the change (-0.2) counts at `pair_window` (0.2) under the estimate so far (0.09 by then)
-    assert said["rounds"] == 32 and said["excess_s"] == pytest.approx(2.994 / 32, abs=1e-4)
+    # the pair across the change (-0.2) counts at `pair_window` (0.2) under the estimate so far (0.09 by then), and
+    # is trimmed as the lowest of the 32 (`pair_trim`)
+    assert said["rounds"] == 32 and said["excess_s"] == pytest.approx(0.1)
+    assert min(s.pairs[1]) == pytest.approx(0.1 * 31 / 33 - 0.2)
     assert s.verify_time(2, 1) - s.verify_time(1, 1) == pytest.approx(said["excess_s"] * 32 / 34)
     late = [_round(s, 0.08, 0.9, 1.0, 0.05) for _ in range(40)]
     assert sum(late) <= 4, late
@@ -674,6 +679,63 @@ def test_one_hiccup_in_a_pair_does_not_price_drafting_out():
     unbounded = by_last_confidence(cheap)
     unbounded.pair_window = math.inf
     assert drafted(unbounded) <= 10  # (5)
+
+
+def test_the_increment_is_the_trimmed_mean_of_the_last_pairs_and_its_error_their_spread():
+    """Pairs of +1, +2, +3 ms, and one of +40 ms (a pass in a slow moment, within the window of a 400 ms plain pass):
+    the estimate leaves the lowest and highest fifth out, so the hiccup moves it by nothing; its standard error is the
+    spread of the pairs with those ends pulled in (winsorized) over (1 − 2g)√n. Only the last `pair_memory` count.
+    Mutation: no trimming (the plain mean, +5.8 ms)."""
+    table = CostTable(verify={1: {1: 0.4, 2: 0.401}}, draft_step={1: 0.001}, draft_round={1: 0.004})
+    s = CostSchedule(table)
+    assert s.pair_error(1) is None
+    for diff in [0.001, 0.002, 0.003] * 3 + [0.040]:
+        s._pair(1, diff)
+    # two left out at each end (0.001, 0.001 and 0.003, 0.040): the mean of 0.001, 0.002 × 3, 0.003 × 2
+    assert s.excess[1]["increment"] == [pytest.approx(0.013 / 6 * 10), 10]
+    winsorized = [0.001] * 3 + [0.002] * 3 + [0.003] * 4
+    mean = sum(winsorized) / 10
+    sd = math.sqrt(sum((x - mean) ** 2 for x in winsorized) / 9)
+    assert s.pair_error(1) == pytest.approx(sd / (0.6 * math.sqrt(10)))
+    s.pair_memory = 4
+    s._pair(1, 0.002)
+    assert s.pairs[1] == pytest.approx([0.002, 0.003, 0.040, 0.002])
+
+
+def test_plain_rounds_go_on_timing_pairs_while_the_decision_hangs_on_the_increment():
+    """The table puts a pass two slots wide at a plain one's (1.0), a draft round 0.05: a first slot at 0.08 pays by
+    it (1.08 / 1.05 against 1 / 1.0). The machine takes 1.06 for a wider pass, so a drafted round loses 3%
+    (1.08 / 1.11). Of the first 16 plain rounds taken to time it, every other one catches the machine in a slow
+    moment (1.1): their pairs say −0.04 and +0.06 in turn, +0.01 on average. Stopped at `check_rounds` (the rule
+    before, the mutation `check_errors` = 0), the schedule prices a second slot at +0.01, and drafts every round at a
+    loss (200 of the last 200). Those pairs are too unsure for a decision that gains at most 0.02 a round: checks go on
+    while the gain is within `check_errors` standard errors (`pair_error`), the later pairs say +0.06, and drafting
+    stops but for its probes (at most 8 of the last 200)."""
+    table = CostTable(verify={1: {1: 1.0, 2: 1.0}}, draft_step={1: 0.01}, draft_round={1: 0.05})
+
+    def last_200(s: CostSchedule) -> int:
+        on, c = torch.tensor([True]), torch.tensor([0.08], dtype=torch.float64)
+        drafted = []
+        for _ in range(400):
+            checks = s.checks.get(1, 0)
+            if not s.worth_drafting(c, on):
+                check = s.checks.get(1, 0)
+                slow = check > checks and check <= 16 and check % 2 == 1  # a slow moment, every other early check
+                s.timed(1.1 if slow else 1.0, 0.0)
+                drafted.append(0)
+                continue
+            s.begin(on)
+            admitted = int(s.admit(0, c, torch.ones(1, dtype=torch.float64), on).sum())
+            s.timed(1.06 if admitted else 1.0, 0.05)
+            drafted.append(admitted)
+        return sum(drafted[200:])
+
+    s = by_last_confidence(table)
+    assert last_200(s) <= 8 and s.checks[1] > 16
+    assert s.verify_time(2, 1) - s.verify_time(1, 1) > 0.03
+    stopped = by_last_confidence(table)
+    stopped.check_errors = 0.0
+    assert last_200(stopped) == 200 and stopped.checks[1] <= 16
 
 
 def test_a_pair_never_spans_two_decodes_nor_takes_the_pass_of_a_round_that_caught_up():
