@@ -180,6 +180,28 @@ TIMED_KINDS = ("plain", "wide", "increment", "draft", "step", "catch-up")
 """The kinds of round whose cost a schedule's timings correct, per batch size (`CostSchedule.timed`)."""
 
 
+def trimmed_mean(values: Sequence[float], trim: float) -> float:
+    """The mean of `values` without the `trim` share at each end (int(trim · n) values; the plain mean under 1 / trim
+    values)."""
+    k = int(trim * len(values))
+    kept = sorted(values)[k : len(values) - k]
+    return sum(kept) / len(kept)
+
+
+def trimmed_mean_error(values: Sequence[float], trim: float) -> float | None:
+    """The standard error of `trimmed_mean(values, trim)` (None under 2 values): the winsorized standard deviation
+    (each end's k = int(trim · n) values pulled in to the nearest kept one) over (1 − 2k/n)√n."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n < 2:
+        return None
+    k = int(trim * n)
+    clipped = [min(max(x, ordered[k]), ordered[n - 1 - k]) for x in ordered]
+    mean = sum(clipped) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in clipped) / (n - 1))
+    return sd / ((1.0 - 2.0 * k / n) * math.sqrt(n))
+
+
 class CostSchedule:
     """The per-round admission rule of a trained proposer (`TrainedProposer.schedule`)."""
 
@@ -269,7 +291,8 @@ class CostSchedule:
     """While drafting is predicted to raise the rate by less than this share, the decision hangs on the timings, and
     the plain pass is timed too (a plain round in place of a drafted one, every `check_every` drafted rounds)."""
     check_every = 4
-    """Drafted rounds per plain round taken to time the plain pass (while the margin is under `check_margin`)."""
+    """Drafted rounds between two plain rounds taken to time the plain pass (while the margin is under
+    `check_margin`)."""
     check_rounds = 16
     """Plain passes timed at a batch size after which plain rounds are taken only while the increment is too unsure
     for the decision (`check_errors`)."""
@@ -292,6 +315,7 @@ class CostSchedule:
     skipped: int
     excess: dict[int, dict[str, list[float]]]
     pairs: dict[int, list[float]]
+    since_plain: dict[int, int]
     checks: dict[int, int]
     probes: dict[int, int]
     explores: dict[int, int]
@@ -325,8 +349,10 @@ class CostSchedule:
     def _learned() -> dict[str, Any]:
         """What a schedule learns from the rounds it decides, before any: the backoff and the rounds skipped since
         the last probe (kept across decodes: `reset`); per batch size, (sum of measured − table, rounds) of plain
-        passes, wider passes, the increment of neighbouring ones, draft rounds of one depth, the further depths of
-        deeper ones (per depth) and catch-ups, the plain rounds taken in place of drafted ones to time it (`checks`),
+        passes, wider passes, the increment of neighbouring ones (and the last `pair_memory` pairs it is estimated
+        from, `pairs`), draft rounds of one depth, the further depths of deeper ones (per depth) and catch-ups, the
+        drafted rounds timed since the last plain pass (`since_plain`), the plain rounds taken in place of drafted ones
+        to time it (`checks`),
         the rounds that asked a drafter that did not pay again (`probes`) and the slots verified only to time a wider
         pass (`explores`); and the online calibration, per
         depth i: the predicted survival Σ c_0...c_i of the slots verified so far, how many of them were accepted and
@@ -339,6 +365,7 @@ class CostSchedule:
             "skipped": 0,
             "excess": {},
             "pairs": {},
+            "since_plain": {},
             "checks": {},
             "probes": {},
             "explores": {},
@@ -549,17 +576,22 @@ class CostSchedule:
             sums[:] = [x * keep for x in sums]
 
     def _check_plain(self, batch: int, gain: float) -> bool:
-        """Whether this drafted round should be a plain one instead, to time the plain pass (and, with its drafted
-        neighbour, a pair): fewer than one plain pass timed per `check_every` drafted rounds at this batch size, and
-        fewer than `check_rounds` in all, or `gain` (the seconds a drafted round could cost more and still pay) under
-        `check_errors` standard errors of the increment (`pair_error`)."""
+        """Whether this drafted round should be a plain one instead, to time the plain pass and, with the drafted
+        round before it, a pair: at least `check_every` drafted rounds since the last plain pass at this batch size,
+        the last of them pairable (not a catch-up), and fewer than `check_rounds` plain passes timed in all, or `gain`
+        (the seconds a drafted round could cost more and still pay) under `check_errors` standard errors of the
+        increment (`pair_error`)."""
         seen = self.excess.get(batch)
         if not self.learn_costs or seen is None:
             return False
-        plain, drafted = seen["plain"][1], seen["draft"][1] + seen["step"][1]
-        if plain >= drafted // self.check_every:
+        # only right after a drafted round's pass that a pair may take, and `check_every` drafted rounds after the
+        # last plain pass: checked against the plain passes timed overall, a schedule that had long drafted without
+        # checks took one every other round once checks resumed, each after the catch-up of the last, and no pair
+        # formed (37 pairs from 536 checks, in a bench on an AMX Xeon)
+        last = self.previous.get(batch)
+        if last is None or last[0] != "wide" or self.since_plain.get(batch, 0) < self.check_every:
             return False
-        if plain < self.check_rounds:
+        if seen["plain"][1] < self.check_rounds:
             return True
         error = self.pair_error(batch)
         return error is not None and gain < self.check_errors * error
@@ -639,23 +671,12 @@ class CostSchedule:
         seen["increment"] = [self._pair_estimate(pairs) * len(pairs), float(len(pairs))]
 
     def _pair_estimate(self, pairs: Sequence[float]) -> float:
-        """The mean of `pairs` without the `pair_trim` share at each end (the plain mean under 5 pairs)."""
-        k = int(self.pair_trim * len(pairs))
-        kept = sorted(pairs)[k : len(pairs) - k]
-        return sum(kept) / len(kept)
+        """The increment's correction from `pairs`: their `trimmed_mean`."""
+        return trimmed_mean(pairs, self.pair_trim)
 
     def pair_error(self, batch: int) -> float | None:
-        """The standard error of the increment's trimmed mean at this batch size (None under 2 pairs): the
-        winsorized standard deviation of the pairs over (1 − 2g)√n, g the share trimmed at each end."""
-        pairs = sorted(self.pairs.get(batch, ()))
-        n = len(pairs)
-        if n < 2:
-            return None
-        k = int(self.pair_trim * n)
-        clipped = [min(max(x, pairs[k]), pairs[n - 1 - k]) for x in pairs]
-        mean = sum(clipped) / n
-        sd = math.sqrt(sum((x - mean) ** 2 for x in clipped) / (n - 1))
-        return sd / ((1.0 - 2.0 * k / n) * math.sqrt(n))
+        """The standard error of the increment's correction at this batch size (`trimmed_mean_error` of its pairs)."""
+        return trimmed_mean_error(self.pairs.get(batch, ()), self.pair_trim)
 
     def round_time(self, batch: int) -> float:
         """The table's draft round corrected by the measured rounds of one depth that followed a drafted round (the
@@ -725,6 +746,7 @@ class CostSchedule:
         self.last = None
         seen = self._timings(batch)
         kind = "plain" if width == 1 else "wide"
+        self.since_plain[batch] = 0 if kind == "plain" else self.since_plain.get(batch, 0) + 1
         excess = _clipped(verify_seconds, self.costs.verify_time(width, batch))
         seen[kind][0] += excess
         seen[kind][1] += 1
@@ -882,12 +904,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pooled": {"row_prior": None},
     "last": {"decide_by_level": False, "level_slots": 0, "evidence": 0.0},
     "greedy": {"evidence": 0.0},
+    "pair-mean": {"pair_trim": 0.0, "check_errors": 0.0},
 }
 """Rules the benches and replays compare the cost schedule with, as the `CostSchedule` attributes each sets (`variant`):
 `pooled` calibrates by the pooled ratio alone, without each row's own (`row_prior`); `last` decides whether to draft
 from each row's last first-slot confidence, from the first slot on (the rule before 2026-12-07: `decide_by_level`,
 `level_slots`); `greedy` decides from the level as estimated, stopping where it says drafting does not pay (the rule
-before 2026-12-07's fifth session: `evidence`)."""
+before 2026-12-07's fifth session: `evidence`); `pair-mean` prices a wider pass by the plain mean of its pairs and takes
+no plain round to time one past `check_rounds` (the rule before 2026-12-07's seventh session: `pair_trim`,
+`check_errors`)."""
 
 
 def variant(schedule: CostSchedule, name: str | None) -> CostSchedule:

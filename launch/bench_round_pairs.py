@@ -15,7 +15,8 @@ start at every decode): twelve plain rounds, three drafted (the first catching u
 drafted, two plain, two drafted, one plain; a drafted round verifies one slot per row. Prints, per drafter and
 temperature, the median target pass of each kind of round and, per kind of neighbouring pair, the median wider − plain
 and how many pairs: a probe after twelve skipped rounds, a drafted round after one or two, a plain round after a
-drafted one, and plain after plain (no increment: the pairs' own noise).
+drafted one, and plain after plain (no increment: the pairs' own noise); with each kind's trimmed mean and its standard
+error (how the cost schedule estimates the increment: `CostSchedule.pair_trim`) and the standard deviation of one pair.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import argparse
 import statistics
 from collections import defaultdict
 
-from draftsmith.eval.schedule import ScriptedSchedule
+from draftsmith.eval.schedule import CostSchedule, ScriptedSchedule, trimmed_mean, trimmed_mean_error
 
 CYCLE = "PPPPPPPPPPPPDDDPDPPDDP"
 """The rounds of one cycle: P a plain round (the drafter skipped), D a drafted one (one slot per row)."""
@@ -109,6 +110,14 @@ def main() -> None:
     cfg, target = inputs.cfg, inputs.target
     prompts = [p["ids"] for p in inputs.prompts]
     median = lambda xs: f"{1e3 * statistics.median(xs):7.2f} ms" if xs else "      -"  # noqa: E731
+
+    def spread(xs: list[float]) -> str:
+        error = trimmed_mean_error(xs, CostSchedule.pair_trim)
+        if error is None:
+            return "-"
+        trimmed = trimmed_mean(xs, CostSchedule.pair_trim)
+        return f"{1e3 * trimmed:+.2f} ± {1e3 * error:.2f} ms, sd {1e3 * statistics.stdev(xs):.2f} ms"
+
     print(f"{len(prompts)} prompts, {args.max_new_tokens} tokens each, rounds cycling {CYCLE}", flush=True)
     for name, drafter in inputs.drafters.items():
         for t in [float(x) for x in args.temperatures.split(",")]:
@@ -123,9 +132,10 @@ def main() -> None:
             print(f"\n{name}, T = {t}: target pass (median) by kind of round", flush=True)
             for kind, xs in sorted(passes(schedule.rounds).items()):
                 print(f"  {kind:26s} {median(xs)}  ({len(xs)} rounds)")
-            print("  wider − plain, neighbouring rounds of one decode (median):")
+            print("  wider − plain, neighbouring rounds of one decode (median; trimmed mean ± its standard error, as")
+            print("  the cost schedule estimates the increment; standard deviation of one pair):")
             for kind, xs in sorted(pairs(schedule.rounds).items()):
-                print(f"  {kind:26s} {median(xs)}  ({len(xs)} pairs)", flush=True)
+                print(f"  {kind:26s} {median(xs)}  {spread(xs)}  ({len(xs)} pairs)", flush=True)
 
 
 if __name__ == "__main__":

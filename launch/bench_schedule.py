@@ -7,7 +7,7 @@ against batch size (the batch curve).
         [--curve-schedules fixed,threshold,cost] [--schedules fixed,threshold,cost] [--threshold 0.5] [--out DIR]
 
 A schedule is one of eval's (fixed, threshold, cost) or a variant of the cost schedule (`cost-pooled`, `cost-last`,
-`cost-greedy`: `VARIANTS`).
+`cost-greedy`, `cost-pair-mean`: `VARIANTS`).
 
 Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding, by every
 (drafter, schedule) and by plain decoding again (the A/A column: the noise of a ratio measured this way), side by side
@@ -35,8 +35,8 @@ AGAIN = "none/again"
 """Plain decoding run a second time, after every other configuration of the prompt (an A/A comparison)."""
 VARIANTS = {f"cost-{name}": ("cost", name) for name in schedule.VARIANTS}
 """Schedules of this bench only, for a side-by-side comparison: name -> (eval schedule, its variant in
-`eval.schedule.VARIANTS`, which says what each one is: `cost-pooled`, `cost-last`, `cost-greedy`), one per rule there,
-so a rule added there is a schedule here."""
+`eval.schedule.VARIANTS`, which says what each one is: `cost-pooled`, `cost-last`, `cost-greedy`, `cost-pair-mean`), one
+per rule there, so a rule added there is a schedule here."""
 
 
 def main() -> None:

@@ -69,6 +69,9 @@ def test_a_variant_sets_its_rule_on_one_schedule():
     back, other = variant(last, None), variant(variant(CostSchedule(TABLE), "last"), "pooled")
     assert (back.decide_by_level, back.level_slots, back.row_prior) == (True, 16, CostSchedule.row_prior)
     assert (other.decide_by_level, other.level_slots, other.row_prior) == (True, 16, None)
+    counted = variant(CostSchedule(TABLE), "pair-mean")  # the pairs' plain mean, no checks past `check_rounds`
+    assert (counted.pair_trim, counted.check_errors) == (0.0, 0.0) and CostSchedule.pair_trim > 0
+    assert variant(counted, None).check_errors == CostSchedule.check_errors
 
 
 def test_admission_follows_the_rate():
@@ -418,15 +421,15 @@ def test_the_schedule_corrects_a_table_that_makes_drafting_look_cheap():
     """The table says a pass two slots wide costs 4% more than a plain one (timing noise), so a first slot at 0.2
     pays ((1 + 0.2) / (0.02 + 1.04) >= 1 / 1); the round that drafts on it takes 1.5 there. Each pair of a plain and a
     wider pass says +0.46, and counts at most `pair_window` (0.2 of a plain pass) off the estimate so far: +0.2, then
-    +0.27, +0.32, +0.36, +0.39 (a hiccup of the machine is not the increment). So the schedule drafts 9 of its first
-    12 rounds (a pair forms only where a plain round meets a drafted one) and then only to probe, the wider pass priced
+    +0.27, +0.32, +0.36, +0.39 (a hiccup of the machine is not the increment). So the schedule drafts 7 of its first
+    9 rounds (a pair forms only where a plain round meets a drafted one) and then only to probe, the wider pass priced
     at 1.04 + 5 × 0.313 / 7 = 1.26 (the mean of the five without the lowest and the highest, `pair_trim`): a table this
     wrong costs a few rounds, not the decode (counted at +0.46 in full, as before the window, 2 of 8). With the
     correction off (the mutation) it drafts on every round."""
     cheap = CostTable(verify={1: {1: 1.0, 2: 1.04}}, draft_step={1: 0.01}, draft_round={1: 0.02})
     s = by_last_confidence(cheap)
     rounds = [_round(s, 0.2, 1.0, 1.5, 0.02) for _ in range(16)]
-    assert rounds == [1, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0]
+    assert rounds == [1, 0, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     assert s.pairs[1] == pytest.approx([0.2, 0.8 / 3, 0.95 / 3, 1.07 / 3, 0.39])
     assert s.verify_time(2, 1) == pytest.approx(1.04 + 0.94 / 3 * 5 / 7) and s.verify_time(1, 1) == 1.0
     fixed = by_last_confidence(cheap, learn_costs=False)
@@ -736,6 +739,49 @@ def test_plain_rounds_go_on_timing_pairs_while_the_decision_hangs_on_the_increme
     stopped = by_last_confidence(table)
     stopped.check_errors = 0.0
     assert last_200(stopped) == 200 and stopped.checks[1] <= 16
+
+
+def test_plain_rounds_taken_to_time_pairs_each_pair_with_the_drafted_round_before():
+    """A table of a flat pass (1.0 one or two slots wide), a draft round 0.05; the machine's wider pass takes 1.0, 1.05
+    and 1.1 by turns. First slots at 0.12 for 100 rounds (drafting pays by a little: the schedule takes its first 16 plain
+    rounds to time the plain pass, each between drafted ones, and a few more while the pairs are unsure), at 0.9 for 300 (it pays by far: no plain round), then at
+    0.12 again, where what drafting gains is within `check_errors` standard errors of the increment. As in the engine,
+    the drafted round after a plain one catches up on it (its pass is not paired). Each plain round now taken must
+    come right after a pairable drafted pass, `check_every` drafted rounds after the last: checked against the plain
+    passes timed overall (the mutation), the 300 rounds of drafting left a budget of checks, one was taken every other
+    round, each after the catch-up of the last, and none made a pair."""
+    table = CostTable(verify={1: {1: 1.0, 2: 1.0}}, draft_step={1: 0.01}, draft_round={1: 0.05})
+    s = by_last_confidence(table)
+    on, state = torch.tensor([True]), {"drafted": 0, "plain_before": False}
+
+    def run(conf: float, rounds: int) -> list[int]:
+        c, kinds = torch.tensor([conf], dtype=torch.float64), []
+        for _ in range(rounds):
+            if not s.worth_drafting(c, on):
+                s.timed(1.0, 0.0)
+                state["plain_before"] = True
+                kinds.append(0)
+                continue
+            s.begin(on)
+            admitted = int(s.admit(0, c, torch.ones(1, dtype=torch.float64), on).sum())
+            if state["plain_before"]:
+                s.catching_up()  # the drafter runs over the round it skipped
+            state["drafted"] += 1
+            s.timed((1.0 + 0.05 * (state["drafted"] % 3)) if admitted else 1.0, 0.05)
+            state["plain_before"] = not admitted
+            kinds.append(1)
+        return kinds
+
+    run(0.12, 100)
+    first = s.checks[1]
+    assert first >= 16
+    assert sum(run(0.9, 300)) == 300 and s.checks[1] == first
+    pairs = len(s.pairs[1])
+    late = run(0.12, 100)
+    checks = [i for i, k in enumerate(late) if not k]
+    assert len(checks) >= 5 and s.checks[1] == first + len(checks)
+    assert len(s.pairs[1]) == pairs + len(checks)  # every check made a pair
+    assert all(b - a > s.check_every for a, b in zip(checks, checks[1:])), checks
 
 
 def test_a_pair_never_spans_two_decodes_nor_takes_the_pass_of_a_round_that_caught_up():
