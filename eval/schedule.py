@@ -630,10 +630,10 @@ class CostSchedule:
         """How much more (or less) than the table the increment of a wider pass over a plain one is, as timed (None
         before any pair is timed at this batch size): the trimmed mean (`pair_trim`, over the last `pair_memory`) over
         pairs of a plain and a wider pass timed one round apart of (wider excess − plain excess), each held within
-        `pair_window` of the estimate before it, shrunk toward 0 by `cost_prior` pairs, and never below a plain pass. Paired, not the difference of the two means: the plain
-        passes are timed in a few stretches (the skipped rounds, the checks) and the wider ones in others, and a
-        2-core machine shared with others changes speed by more than the increment between them. Both ways, on one
-        AMD EPYC:
+        `pair_window` of the estimate before it, shrunk toward 0 by `cost_prior` pairs, and never below a plain pass.
+        Paired, not the difference of the two means: the plain passes are timed in a few stretches (the skipped rounds,
+        the checks) and the wider ones in others, and a 2-core machine shared with others changes speed by more than
+        the increment between them. Both ways, on one AMD EPYC:
         - plain passes timed early at 65 ms against wider ones averaging 62 over the minutes after made a second slot
           look free, where side by side it cost +4 ms, 7% (EAGLE-3 drafted at T = 1 at 0.96x of plain decoding);
         - a table measured a pass 2 slots wide at what a plain one took (66.3 ms both), so a first slot paid from 8%
