@@ -96,7 +96,7 @@ class Rotation(ScriptedSchedule):
     def begin(self, drafting: torch.Tensor) -> None:
         if not self.decided:
             self._next()
-        self.halted = False
+        super().begin(drafting)
 
     def admit(self, i: int, conf, survival, drafting: torch.Tensor) -> torch.Tensor:
         # halted once the round's length is drafted: the proposer takes no further draft step

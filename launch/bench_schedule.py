@@ -6,8 +6,8 @@ against batch size (the batch curve).
         [--temperatures 0,1] [--batches 1,4,16,64] [--curve-temperatures 0] [--curve-repeats 1]
         [--curve-schedules fixed,threshold,cost] [--schedules fixed,threshold,cost] [--threshold 0.5] [--out DIR]
 
-A schedule is one of eval's (fixed, threshold, cost) or a variant of the cost schedule (`cost-pooled`, `cost-last`,
-`cost-greedy`, `cost-pair-mean`: `VARIANTS`).
+A schedule is one of eval's (fixed, threshold, cost) or a variant of the cost schedule, `cost-NAME` for each rule in
+`eval.schedule.VARIANTS` (`VARIANTS`).
 
 Per domain: every eval prompt (the first `--per-domain` of each domain) is decoded alone by plain decoding, by every
 (drafter, schedule) and by plain decoding again (the A/A column: the noise of a ratio measured this way), side by side
@@ -34,9 +34,8 @@ from draftsmith.eval import schedule
 AGAIN = "none/again"
 """Plain decoding run a second time, after every other configuration of the prompt (an A/A comparison)."""
 VARIANTS = {f"cost-{name}": ("cost", name) for name in schedule.VARIANTS}
-"""Schedules of this bench only, for a side-by-side comparison: name -> (eval schedule, its variant in
-`eval.schedule.VARIANTS`, which says what each one is: `cost-pooled`, `cost-last`, `cost-greedy`, `cost-pair-mean`), one
-per rule there, so a rule added there is a schedule here."""
+"""Schedules of this bench only, for a side-by-side comparison: `cost-NAME` -> ("cost", NAME) for each rule NAME in
+`eval.schedule.VARIANTS` (which says what each one is), so a rule added there is a schedule here."""
 
 
 def main() -> None:
