@@ -57,6 +57,7 @@ class DrafterConfigMixin:
     confidence_temperatures: list[float] | None
     confidence_biases: list[float] | None
     sampled_confidence_calibration: dict[str, dict[str, list[float]]] | None
+    greedy_confidence_calibration: dict[str, dict[str, list[float]]] | None
 
     def layer_config(self) -> LlamaConfig:
         # rope_theta is a constructor argument in transformers 4.x; 5.x still accepts it (folding it into
@@ -111,14 +112,20 @@ class DrafterBase(torch.nn.Module):
         scale = self.rotary.attention_scaling
         return (emb.cos() * scale).to(like.dtype), (emb.sin() * scale).to(like.dtype)
 
-    def calibrated(self, conf_logits: torch.Tensor, slot: int, sampling: float | None = None) -> torch.Tensor:
+    def calibrated(
+        self, conf_logits: torch.Tensor, slot: int, sampling: float | None = None, greedy_drafts: bool = False
+    ) -> torch.Tensor:
         """Confidence probability of draft position `slot` after the fitted scaling σ(z / T + b) (positions past the
         fitted ones take the last), with the scaling fitted at the sampling temperature nearest `sampling` (the one
         drafts are drawn at; None: the training temperature's). What a confidence predicts is the chance its draft is
         accepted, and that depends on the temperature: on the demo's EAGLE-3 holdout, 32% of first slots were
-        accepted at T = 0 and 26% (Σ min(p, q)) at T = 1."""
+        accepted at T = 0 and 26% (Σ min(p, q)) at T = 1. It depends on how drafts are drawn too: with
+        `greedy_drafts` at a temperature above 0 (the drafter's argmax, kept with the target's probability of it), the
+        scaling fitted for such drafts where there is one (`greedy_confidence_calibration`), else the sampled one."""
         temps, biases = self.config.confidence_temperatures, self.config.confidence_biases
         fitted = self.config.sampled_confidence_calibration
+        if greedy_drafts and sampling and self.config.greedy_confidence_calibration:
+            fitted = self.config.greedy_confidence_calibration
         if sampling is not None and fitted:
             nearest = fitted[min(fitted, key=lambda t: abs(float(t) - sampling))]
             temps, biases = nearest["temperatures"], nearest["biases"]

@@ -68,6 +68,9 @@ class DSparkConfig(DrafterConfigMixin):
     sampled_confidence_calibration: dict[str, dict[str, list[float]]] | None = None
     """Per sampling temperature served at (its decimal text, e.g. "1.0"), the per-slot `temperatures` and `biases`
     fitted on the acceptance at that temperature (None: only the fields above, fitted at the training temperature)."""
+    greedy_confidence_calibration: dict[str, dict[str, list[float]]] | None = None
+    """The same, fitted on the acceptance of drafts taken as the drafter's argmax at that temperature (the target's
+    probability of it: eval.draft_sample_method = greedy), per sampling temperature above 0 (None: not fitted)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Target config fields kept for export (e.g. rope scaling)."""
 

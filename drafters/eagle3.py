@@ -58,6 +58,9 @@ class Eagle3Config(DrafterConfigMixin):
     sampled_confidence_calibration: dict[str, dict[str, list[float]]] | None = None
     """Per sampling temperature served at (its decimal text, e.g. "1.0"), the per-step `temperatures` and `biases`
     fitted on the acceptance at that temperature (None: only the fields above, fitted at the training temperature)."""
+    greedy_confidence_calibration: dict[str, dict[str, list[float]]] | None = None
+    """The same, fitted on the acceptance of drafts taken as the drafter's argmax at that temperature (the target's
+    probability of it: eval.draft_sample_method = greedy), per sampling temperature above 0 (None: not fitted)."""
     confidence_trained: bool = True
     """False for a drafter imported from an engine export that carried no confidence head (another trainer's, or one
     written before draftsmith exported the head): its head is freshly initialised, so eval drafts it at fixed γ."""

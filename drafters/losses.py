@@ -177,11 +177,16 @@ def position_losses(logits: torch.Tensor, teacher: Teacher, kind: str, temperatu
 
 
 @torch.no_grad()
-def acceptance(logits: torch.Tensor, teacher: Teacher, draft_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+def acceptance(
+    logits: torch.Tensor, teacher: Teacher, draft_ids: torch.Tensor, temperature: float, greedy_draft: bool = False
+) -> torch.Tensor:
     """[B, T] exact probability that the drafted token is accepted: Σ_x min(p(x), q(x)) with p the target's
-    full-vocabulary distribution; at temperature 0, whether the draft argmax is the target argmax."""
+    full-vocabulary distribution, for a draft drawn from q; p(argmax q) with `greedy_draft` (the drafter's argmax,
+    verified as a one-hot q); at temperature 0, whether the draft argmax is the target argmax."""
     if temperature == 0 or teacher.exact is None:
         return (draft_ids[logits.argmax(-1)] == teacher.argmax).float()
+    if greedy_draft:
+        return teacher.exact.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1).float()
     q = draft_distribution(logits, temperature)
     return torch.minimum(teacher.exact, q).sum(-1)
 

@@ -73,6 +73,10 @@ class ObjectiveSettings:
     """Weight of the confidence head's BCE."""
     checkpoint: bool = False
     """Gradient checkpointing of each TTT step's layers."""
+    greedy_drafts: bool = False
+    """Acceptance of drafts taken as the drafter's argmax at a temperature > 0 (the target's probability of it,
+    eval.draft_sample_method = greedy) rather than drawn from its distribution; set only to fit the confidences'
+    calibration for such drafts."""
 
 
 def eagle3_objective(
@@ -190,6 +194,10 @@ class DSparkObjectiveSettings:
     while the samples before it equal the data tokens (the only prefixes whose teacher is known)."""
     seed: int = 0
     """Salt of the per-(epoch, sequence) draws: the anchors, and the sampled Markov inputs."""
+    greedy_drafts: bool = False
+    """Acceptance of drafts taken as the drafter's argmax at a temperature > 0 (the target's probability of it,
+    eval.draft_sample_method = greedy), the Markov inputs the argmax too; set only to fit the confidences'
+    calibration for such drafts."""
 
     @property
     def steps(self) -> int:
@@ -257,7 +265,8 @@ def _dspark_forward(model, batch, head_weight, s: DSparkObjectiveSettings, inner
     draft_ids = draft_to_target_ids(inner.d2t)
     known = known_stats(batch, positions=at)
     teacher = teacher_from_final(gathered, head_weight, draft_ids, s.temperature, known=known)  # [B, A*G, ...]
-    sample_t = s.temperature if s.sample_markov_inputs else None
+    # drafts taken as the argmax condition the next slot on the argmax (temperature 0 draws nothing)
+    sample_t = (0.0 if s.greedy_drafts else s.temperature) if s.sample_markov_inputs else None
     uniforms = None
     if sample_t:  # greedy (0) draws nothing
         uniforms = _markov_uniforms(s.seed, int(batch["epoch"]), list(batch["ids"]), anchors.shape[1], G)
@@ -337,7 +346,10 @@ def eagle3_calibration_data(model, batch: TrainBatch, head_weight: torch.Tensor,
     T = input_ids.shape[1]
     alpha = torch.stack(
         [
-            pad_end(acceptance(lg[:, : max(T - 1 - i, 0)], teacher.ahead(1 + i), draft_ids, s.temperature), T)
+            pad_end(
+                acceptance(lg[:, : max(T - 1 - i, 0)], teacher.ahead(1 + i), draft_ids, s.temperature, s.greedy_drafts),
+                T,
+            )
             for i, (lg, _) in enumerate(outs)
         ],
         -1,
@@ -351,7 +363,7 @@ def eagle3_calibration_data(model, batch: TrainBatch, head_weight: torch.Tensor,
 def dspark_calibration_data(model, batch: TrainBatch, head_weight: torch.Tensor, s: DSparkObjectiveSettings):
     """(confidence logits, acceptance probabilities, validity), each [blocks, γ], for fitting the temperatures."""
     logits, conf, teacher, valid, draft_ids = _dspark_forward(model, batch, head_weight, s, model)
-    alpha = acceptance(logits, teacher, draft_ids, s.temperature)
+    alpha = acceptance(logits, teacher, draft_ids, s.temperature, s.greedy_drafts)
     G = s.block_size
     keep = valid.view(-1, G)[:, 0]
     return conf.float().view(-1, G)[keep], alpha.view(-1, G)[keep], valid.view(-1, G)[keep]

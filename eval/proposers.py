@@ -113,6 +113,9 @@ class TrainedProposer(NoDraft):
     and a round the schedule skips should cost what a plain step costs (a few torch ops per round cost 0.1-0.3% of a
     135M target's pass on a CPU, timed inside the decode)."""
 
+    greedy_drafts: bool = False
+    """Whether drafts are the drafter's argmax where the target samples too, verified as a one-hot q
+    (eval.draft_sample_method = greedy), rather than drawn from its distribution."""
     schedule: CostSchedule | None = None
     """The cost-based admission rule (set by eval; None: the threshold rule, or fixed lengths)."""
     cost_schedule: CostSchedule | None = None
@@ -125,7 +128,10 @@ class TrainedProposer(NoDraft):
     """Per row, its first-slot confidence of the last round it drafted (what the schedule predicts from; NaN for a
     row that has not drafted yet)."""
 
-    def __init__(self, drafter, confidence_threshold: float | None = None):
+    def __init__(self, drafter, confidence_threshold: float | None = None, draft_sample_method: str = "probabilistic"):
+        if draft_sample_method not in ("probabilistic", "greedy"):
+            raise ValueError(f"unknown draft_sample_method {draft_sample_method!r}: probabilistic or greedy")
+        self.greedy_drafts = draft_sample_method == "greedy"
         self.drafter = drafter.eval()
         self.device = next(drafter.parameters()).device
         if self.device.type == "cpu":  # decoding's few-row products by torch's fast CPU path (eval.cpu_linear)
@@ -154,10 +160,11 @@ class TrainedProposer(NoDraft):
         self.threshold = threshold if mode == "threshold" else None
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, generators, rows: torch.Tensor):
-        """(target token ids [B] on the CPU, the full-vocabulary q [B, V] they were sampled from; None when greedy)
-        from draft-vocab logits [B, D]. Only the `rows` that draft this position draw (with their own generator);
-        the others get token 0, which nothing verifies."""
-        if params.greedy:
+        """(target token ids [B] on the CPU, the full-vocabulary q [B, V] they were sampled from; None when they are
+        the argmax: at T = 0, or with `greedy_drafts`, where the verifier reads q as one-hot on them) from draft-vocab
+        logits [B, D]. Only the `rows` that draft this position draw (with their own generator); the others get token
+        0, which nothing verifies."""
+        if params.greedy or self.greedy_drafts:
             return self.ids[logits.argmax(-1)].cpu(), None
         qd = probs_from_logits(logits, params)
         q = torch.zeros(logits.shape[0], self.vocab, dtype=qd.dtype, device=self.device)
@@ -333,7 +340,7 @@ class Eagle3Proposer(TrainedProposer):
                     key_mask=self.key_mask,
                 )
                 logits, conf = out[:, 0], cf[:, 0]
-            return logits, self.drafter.calibrated(conf, i, params.temperature)
+            return logits, self.drafter.calibrated(conf, i, params.temperature, self.greedy_drafts)
 
         return self._chain(k, active, params, generators, step)
 
@@ -410,8 +417,14 @@ class DSparkProposer(TrainedProposer):
 
     name = "dspark"
 
-    def __init__(self, drafter, confidence_threshold: float | None = None, draft_length: int | None = None):
-        super().__init__(drafter, confidence_threshold)
+    def __init__(
+        self,
+        drafter,
+        confidence_threshold: float | None = None,
+        draft_length: int | None = None,
+        draft_sample_method: str = "probabilistic",
+    ):
+        super().__init__(drafter, confidence_threshold, draft_sample_method)
         self.block = drafter.config.block_size
         self.length = min(draft_length or self.block, self.block)
 
@@ -454,7 +467,7 @@ class DSparkProposer(TrainedProposer):
         def step(i, x):
             prev = anchor if i == 0 else x
             logits, conf = self.drafter.heads(h[:, i], prev.to(self.device), base[:, i])
-            return logits, self.drafter.calibrated(conf, i, params.temperature)
+            return logits, self.drafter.calibrated(conf, i, params.temperature, self.greedy_drafts)
 
         return self._chain(k, active, params, generators, step)
 

@@ -80,6 +80,8 @@ def markdown_table(ev: dict[str, Any]) -> str:
         lengths = {d: n for d, n in (st.get("draft_lengths") or {}).items() if n != st["draft_length"] and d != "none"}
         if lengths:
             shape += " (" + ", ".join(f"{d}: {n} per round" for d, n in lengths.items()) + ")"
+        if run["temperature"] and not st.get("tree_depth"):  # how a sampled round's drafts were drawn
+            shape += f", {st.get('draft_sample_method', 'probabilistic')} drafts"
         lines.append(f"### T = {run['temperature']}, {shape}, max_new_tokens = {st['max_new_tokens']}")
         drafters = [d for d in run["drafters"] if d != "none"]
         head = "| domain | prompts | plain tok/s | " + " | ".join(

@@ -409,6 +409,12 @@ class EvalConfig(Section):
     """Chain draft length γ (EAGLE-3 and prompt lookup)."""
     block_draft_length: int | None = Field(None, ge=1)
     """Tokens a block drafter (DSpark) proposes per round, at most its block size; None = its block size."""
+    draft_sample_method: Literal["probabilistic", "greedy"] = "probabilistic"
+    """How a trained drafter's chain drafts are drawn where the target samples (T > 0), named as vLLM's
+    `speculative_config` names it: `probabilistic` draws each draft from the drafter's distribution q (at the same
+    temperature, top-p and top-k) and keeps it with min(1, p/q); `greedy` drafts the drafter's argmax and keeps it with
+    the target's probability of it (a one-hot q), vLLM's default, as SGLang and the EAGLE reference code draft too.
+    Both are exact. At T = 0 both draft the argmax. Trees draft their top-k children either way."""
     max_new_tokens: int = Field(256, ge=1)
     """Tokens generated per prompt."""
     tree_depth: int | None = Field(None, ge=1)

@@ -142,10 +142,13 @@ def calibrate_confidences(trainer: TrainContext, directory: Path, data_fn: Calla
     `directory` on the whole holdout split and write it into its config: once on the acceptance at the training
     temperature (`confidence_temperatures` and `confidence_biases`), and once per sampling temperature of the
     section's `calibrate_at` (`sampled_confidence_calibration`: eval reads the one nearest the temperature it decodes
-    at). Every rank computes the confidences of its share of the holdout batches (a long calibration on one rank would
-    leave the others waiting in a collective until the NCCL timeout); the main process gathers them, fits and writes. `data_fn(model, batch, head, objective settings)` gives (confidence
-    logits, acceptance probabilities, validity), each [N, positions], the family's own (its objectives module), at
-    the settings' temperature; the section (a `config.CalibratedSettings`) says whether and with how many bins."""
+    at), and at each of those above 0 on the acceptance of drafts taken as the drafter's argmax
+    (`greedy_confidence_calibration`, for eval.draft_sample_method = greedy). Every rank computes the confidences of
+    its share of the holdout batches (a long calibration on one rank would leave the others waiting in a collective
+    until the NCCL timeout); the main process gathers them, fits and writes. `data_fn(model, batch, head, objective
+    settings)` gives (confidence logits, acceptance probabilities, validity), each [N, positions], the family's own
+    (its objectives module), at the settings' temperature and way of drawing drafts (`greedy_drafts`); the section (a
+    `config.CalibratedSettings`) says whether and with how many bins."""
     from accelerate.utils import gather_object
 
     from draftsmith.pipeline.families import load_drafter  # the registry imports this module
@@ -157,27 +160,29 @@ def calibrate_confidences(trainer: TrainContext, directory: Path, data_fn: Calla
     head = trainer.head_weight.float()
     trained = float(trainer.settings.temperature)
     temperatures = sorted({trained, *(float(t) for t in trainer.section.calibrate_at)})
-    parts: list[tuple[float, tuple[torch.Tensor, ...]]] = []
+    # (temperature, drafts taken as the argmax): above 0 both ways of drawing a draft (eval.draft_sample_method)
+    fits = [(t, False) for t in temperatures] + [(t, True) for t in temperatures if t > 0]
+    parts: list[tuple[tuple[float, bool], tuple[torch.Tensor, ...]]] = []
     for batch in trainer.holdout_share():  # read once, every temperature's acceptance computed from it
-        for t in temperatures:
+        for t, greedy in fits:
             # the teacher cache's statistics are the training temperature's (its logsumexp): another recomputes them
             at = batch if t == trained else {k: v for k, v in batch.items() if not k.startswith("teacher_")}
-            settings = dataclasses.replace(trainer.settings, temperature=t)
-            parts.append((t, tuple(x.cpu() for x in data_fn(model, at, head, settings))))
+            settings = dataclasses.replace(trainer.settings, temperature=t, greedy_drafts=greedy)
+            parts.append(((t, greedy), tuple(x.cpu() for x in data_fn(model, at, head, settings))))
     if acc.num_processes > 1:
         parts = gather_object(parts)
     if not acc.is_main_process:
         return
-    if sum(p[0].shape[0] for t, p in parts if t == trained) == 0:
+    if sum(p[0].shape[0] for (t, greedy), p in parts if t == trained and not greedy) == 0:
         log.warning("train: no %s to calibrate %s on; confidences left uncalibrated", unit, directory)
         return
     bins = trainer.section.calibration_bins
-    fitted: dict[float, dict[str, Any]] = {}
-    for t in temperatures:
-        conf, alpha, valid = (torch.cat([p[i] for u, p in parts if u == t]) for i in range(3))
+    fitted: dict[tuple[float, bool], dict[str, Any]] = {}
+    for key in fits:
+        conf, alpha, valid = (torch.cat([p[i] for u, p in parts if u == key]) for i in range(3))
         temps, biases = fit_sequential_scaling(conf, alpha, valid)
         first = valid[:, 0]
-        fitted[t] = {
+        fitted[key] = {
             "samples": int(conf.shape[0]),
             "temperatures": temps,
             "biases": biases,
@@ -189,24 +194,28 @@ def calibrate_confidences(trainer: TrainContext, directory: Path, data_fn: Calla
         }
     cfg_path = directory / "config.json"
     raw = json.loads(cfg_path.read_text())
-    raw["confidence_temperatures"] = fitted[trained]["temperatures"]
-    raw["confidence_biases"] = fitted[trained]["biases"]
-    raw["sampled_confidence_calibration"] = {
-        str(t): {"temperatures": fitted[t]["temperatures"], "biases": fitted[t]["biases"]} for t in temperatures
-    }
+    raw["confidence_temperatures"] = fitted[trained, False]["temperatures"]
+    raw["confidence_biases"] = fitted[trained, False]["biases"]
+    for name, greedy in (("sampled_confidence_calibration", False), ("greedy_confidence_calibration", True)):
+        raw[name] = {
+            str(t): {"temperatures": f["temperatures"], "biases": f["biases"]}
+            for (t, g), f in fitted.items()
+            if g == greedy
+        }
     atomic_write_text(cfg_path, json.dumps(raw, indent=2, allow_nan=False))
     report = {
-        **fitted[trained],
+        **fitted[trained, False],
         "bins": bins,
         "temperature": trainer.temperature,
         "ranks": acc.num_processes,
-        "by_sampling_temperature": {str(t): fitted[t] for t in temperatures},
+        "by_sampling_temperature": {str(t): f for (t, g), f in fitted.items() if not g},
+        "greedy_drafts_by_sampling_temperature": {str(t): f for (t, g), f in fitted.items() if g},
     }
     atomic_write_text(directory / "calibration.json", json.dumps(report, indent=2, allow_nan=False))
-    for t in temperatures:
-        f = fitted[t]
+    for (t, greedy), f in fitted.items():
+        drafts = ", argmax drafts" if greedy else ""
         console.print(
-            f"calibrated {directory.name}/ at T = {t:g}: survival ECE by position "
+            f"calibrated {directory.name}/ at T = {t:g}{drafts}: survival ECE by position "
             f"{_eces(f['survival_ece_before'])} -> {_eces(f['survival_ece_after'])}; "
             f"first slot predicted {f['first_slot_predicted']:.1%}, accepted {f['first_slot_accepted']:.1%} "
             f"({f['samples']} {unit})",
@@ -273,6 +282,7 @@ def calibration_config(cfg: Any) -> dict[str, Any]:
         "draftsmith_confidence_temperatures": cfg.confidence_temperatures,
         "draftsmith_confidence_biases": cfg.confidence_biases,
         "draftsmith_sampled_confidence_calibration": cfg.sampled_confidence_calibration,
+        "draftsmith_greedy_confidence_calibration": cfg.greedy_confidence_calibration,
     }
     return {k: (dict(v) if isinstance(v, dict) else list(v)) for k, v in keys.items() if v}
 
@@ -283,6 +293,7 @@ def calibration_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "confidence_temperatures": raw.get("draftsmith_confidence_temperatures"),
         "confidence_biases": raw.get("draftsmith_confidence_biases"),
         "sampled_confidence_calibration": raw.get("draftsmith_sampled_confidence_calibration"),
+        "greedy_confidence_calibration": raw.get("draftsmith_greedy_confidence_calibration"),
     }
 
 

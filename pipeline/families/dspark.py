@@ -105,7 +105,9 @@ def objective_settings(train: Any, s: DSparkSettings, seed: int) -> DSparkObject
 
 
 def proposer(drafter: DSparkDrafter, e: Any) -> DSparkProposer:
-    return DSparkProposer(drafter, e.confidence_threshold, draft_length=e.block_draft_length)
+    return DSparkProposer(
+        drafter, e.confidence_threshold, draft_length=e.block_draft_length, draft_sample_method=e.draft_sample_method
+    )
 
 
 def calibrate(trainer: TrainContext, directory: Path) -> None:

@@ -95,7 +95,7 @@ def calibrate(trainer: TrainContext, directory: Path) -> None:
 
 
 def proposer(drafter: Eagle3Drafter, e: Any) -> Eagle3Proposer:
-    return Eagle3Proposer(drafter, e.confidence_threshold)
+    return Eagle3Proposer(drafter, e.confidence_threshold, e.draft_sample_method)
 
 
 # ------------------------------------------------------------------------------------------ export
@@ -245,7 +245,18 @@ def export(model: Eagle3Drafter, ctx: ExportContext) -> list[ExportedDirectory]:
         tensors, config = engine_files(model, ctx.target_config, ctx.dtype)
         spec = json.dumps({"method": "eagle3", "model": str(ctx.root / "eagle3"), "num_speculative_tokens": k})
         lines += ["## EAGLE-3 on vLLM", "", "```bash", f"vllm serve {ctx.target_name} --speculative-config '{spec}'"]
-        lines += ["```", "", "## EAGLE-3 on SGLang", ""]
+        lines += [
+            "```",
+            "",
+            "At T > 0 vLLM drafts the drafter's argmax by default (`draft_sample_method` `greedy`: kept with the "
+            "target's probability of it); draftsmith's eval draws each draft from the drafter's distribution unless "
+            "`eval.draft_sample_method=greedy`. To serve drafts drawn as eval drew them, add "
+            '`"draft_sample_method": "probabilistic"` to the speculative config; which keeps more drafts is the '
+            "drafter's (`launch/bench_draft_sampling.py` measures both on the eval prompts).",
+            "",
+            "## EAGLE-3 on SGLang",
+            "",
+        ]
         if sglang:
             lines += [f"Not loadable by SGLang (written as a vLLM-only architecture, which SGLang refuses): {sglang}."]
             lines += [""]

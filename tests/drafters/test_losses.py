@@ -18,6 +18,23 @@ def _case(device, seed=0):
     return tuple(t.to(device) for t in (head, final, draft_ids, logits))
 
 
+def test_an_argmax_drafts_acceptance_is_the_targets_full_vocabulary_probability_of_it(test_device):
+    """A draft taken as the drafter's argmax at T > 0 is kept with the target's probability of that token (softmax
+    over the whole vocabulary, not the draft columns); at T = 0 both ways of drafting are the argmax agreement."""
+    head, final, draft_ids, logits = _case(test_device)
+    for temperature in (0.7, 1.0):
+        teacher = teacher_from_final(final, head, draft_ids, temperature)
+        p = torch.softmax(final @ head.T / temperature, -1)
+        want = p.gather(-1, draft_ids[logits.argmax(-1)][..., None]).squeeze(-1)
+        got = acceptance(logits, teacher, draft_ids, temperature, greedy_draft=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert not torch.allclose(got, acceptance(logits, teacher, draft_ids, temperature))  # not Σ min(p, q)
+    teacher = teacher_from_final(final, head, draft_ids, 0.0)
+    assert torch.equal(
+        acceptance(logits, teacher, draft_ids, 0.0, greedy_draft=True), acceptance(logits, teacher, draft_ids, 0.0)
+    )
+
+
 def test_tv_and_accept_are_the_full_vocabulary_acceptance(test_device):
     head, final, draft_ids, logits = _case(test_device)
     for temperature in (0.7, 1.0):

@@ -434,7 +434,18 @@ def main(work: Path) -> None:
                 target = ModelConfig(
                     model=model_arg, skip_tokenizer_init=True, dtype=dtype, max_model_len=256, enforce_eager=True
                 )
-                spec = SpeculativeConfig(**spec, target_model_config=target, target_parallel_config=ParallelConfig())
+                asked = dict(spec)
+                spec = SpeculativeConfig(**asked, target_model_config=target, target_parallel_config=ParallelConfig())
+                # how vLLM draws drafts at T > 0 as the command leaves it, and whether it takes drafts drawn from the
+                # drafter (what eval does by default) for this drafter: eval.draft_sample_method names both
+                r["draft_sample_method"] = spec.draft_sample_method
+                try:
+                    drawn = {**asked, "draft_sample_method": "probabilistic"}
+                    r["probabilistic"] = SpeculativeConfig(
+                        **drawn, target_model_config=target, target_parallel_config=ParallelConfig()
+                    ).draft_sample_method
+                except Exception as e:  # noqa: BLE001 -- what vLLM said is the result
+                    r["probabilistic"] = f"refused: {e}"
                 hf = spec.draft_model_config.hf_config
                 r["method"] = spec.method
                 r["num_speculative_tokens"] = spec.num_speculative_tokens

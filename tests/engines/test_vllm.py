@@ -65,6 +65,10 @@ def test_vllm_config_translation_eagle3(vllm_results, exported, name, sub):
     assert r["capture"] == list(v.aux) == sorted(v.aux)
     assert r["hf_draft_vocab_size"] == (384 if v.full_vocab else 200)
     assert r["hf_norm_before_residual"] is v.norm_before_residual
+    # at T > 0 the command serves vLLM's default, the argmax drafted (eval.draft_sample_method=greedy measures it),
+    # and vLLM takes drafts drawn from the drafter for it too (eval's default, `probabilistic`)
+    assert r["draft_sample_method"] == "greedy"
+    assert r["probabilistic"] == "probabilistic"
 
 
 @pytest.mark.parametrize("sub", DIRS)

@@ -74,10 +74,11 @@ class BigramTrained(TrainedProposer):
     """A trained-drafter proposer whose 'drafter' is the Q5 bigram: propose() drafts as Eagle3Proposer does (one
     `_draw` per position from draft-vocab logits), so the q that reaches the verifier is the real code's."""
 
-    def __init__(self, table):
+    def __init__(self, table, greedy_drafts=False):
         self.logits = table.log()
         self.ids = torch.arange(table.shape[0])
         self.vocab, self.device, self.threshold = table.shape[0], torch.device("cpu"), None
+        self.greedy_drafts = greedy_drafts
 
     def propose(self, histories, active, k, params, generators):
         last = torch.tensor([h[-1] for h in histories])
@@ -94,6 +95,15 @@ class QBeforeProcessing(BigramTrained):
     def _draw(self, logits, params, generators, rows):
         x, _ = super()._draw(logits, params, generators, rows)
         return x, torch.softmax(logits.double(), -1)
+
+
+class ArgmaxWithSampledQ(BigramTrained):
+    """Mutant: drafts the argmax but reports the processed distribution as q, as if the draft had been drawn from
+    it."""
+
+    def _draw(self, logits, params, generators, rows):
+        x, _ = super()._draw(logits, params, generators, rows)
+        return x, probs_from_logits(logits, params)
 
 
 def verify_p_from_next_position(drafts, q, p, gen):
@@ -149,6 +159,24 @@ def test_the_processed_sampling_test_rejects_mutants(mutant, gamma):
         "bonus_from_last_row": verify_bonus_from_last_draft_row,
     }.get(mutant, sampling_verify)
     counts, _ = emitted_bigram(proposer, verify, gamma=gamma, seed=1)
+    assert pooled_pvalue(counts, exact_bigram(P5, PARAMS)) < 1e-6
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_argmax_drafts_at_t_above_0_emit_the_targets_distribution(gamma):
+    """eval.draft_sample_method = greedy: every draft is the drafter's argmax, verified as a one-hot q (kept with the
+    target's probability of it), and what is emitted is still the target's processed distribution."""
+    proposer = BigramTrained(Q5, greedy_drafts=True)
+    history = [[0, 3]]
+    drafts = proposer.propose(history, [True], 2, PARAMS, [torch.Generator().manual_seed(0)])
+    assert drafts.drafts == [[int(Q5[3].argmax()), int(Q5[int(Q5[3].argmax())].argmax())]] and drafts.q is None
+    counts, accepted = emitted_bigram(proposer, gamma=gamma)
+    assert accepted > 2000
+    assert pooled_pvalue(counts, exact_bigram(P5, PARAMS)) > 1e-3
+
+
+def test_the_argmax_draft_test_rejects_a_q_it_was_not_drawn_from():
+    counts, _ = emitted_bigram(ArgmaxWithSampledQ(Q5, greedy_drafts=True), seed=1)
     assert pooled_pvalue(counts, exact_bigram(P5, PARAMS)) < 1e-6
 
 

@@ -107,12 +107,13 @@ def test_bench_schedule_measures_every_schedule_beside_plain_decoding(trained_ru
         ("bench_skip_overhead.py", ["--batches", "1"], "of plain decoding"),
         ("bench_confidence.py", [], "wrote"),
         ("bench_vocab_coverage.py", ["--sizes", "64,128"], "in draft vocab"),
+        ("bench_draft_sampling.py", ["--drafters", "eagle3"], "| all |"),
     ],
 )
 def test_each_bench_of_a_runs_drafters_runs_on_it(trained_run, tmp_path, monkeypatch, capsys, script, argv, says):
     """The other launch/ benches that start from `bench_inputs` run through on the tiny run (each was written for the
     demo's drafters and run by hand; nothing else would show one broken)."""
-    if script in ("log_first_slots.py", "bench_confidence.py"):
+    if script in ("log_first_slots.py", "bench_confidence.py", "bench_draft_sampling.py"):
         argv = [*argv, "--out", str(tmp_path / "out")]
     _run_script(script, [str(trained_run), *argv, "--per-domain", "1", "--max-new-tokens", "6"], monkeypatch)
     assert says in capsys.readouterr().out

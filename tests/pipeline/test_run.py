@@ -86,6 +86,11 @@ def test_run_end_to_end_and_resume(tmp_path, tiny_recipe):
         assert trained["biases"] == drafter["confidence_biases"], family
         at = report["by_sampling_temperature"]
         assert at["0.0"]["first_slot_accepted"] != at["1.0"]["first_slot_accepted"], family  # another target
+        # and at each temperature above 0 on the acceptance of the argmax drafted (eval.draft_sample_method=greedy)
+        greedy = drafter["greedy_confidence_calibration"]
+        assert sorted(greedy) == ["1.0"] and len(greedy["1.0"]["temperatures"]) == steps, family
+        greedy_at = report["greedy_drafts_by_sampling_temperature"]["1.0"]
+        assert greedy_at["first_slot_accepted"] != at["1.0"]["first_slot_accepted"], family  # p(argmax q), not Σ min
     for fmt in ("eagle3", "speculators", "dspark"):
         assert (run / "export" / fmt / "config.json").is_file(), fmt
     ev = json.loads((run / "eval" / "eval.json").read_text())
