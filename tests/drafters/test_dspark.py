@@ -548,3 +548,24 @@ def test_survival_ece_is_none_where_no_block_reaches_a_position():
     eces = survival_ece(conf, alpha, valid, [1.0] * 3)
     assert eces[2] is None and eces[0] is not None and eces[1] is not None
     json.dumps({"survival_ece_after": eces}, allow_nan=False)  # raises on NaN
+
+
+def test_argmax_drafts_calibration_conditions_the_markov_inputs_on_the_argmax(test_device):
+    """Fitting the confidences for drafts taken as the argmax at T > 0 (eval.draft_sample_method = greedy), a block's
+    later slots are conditioned on the argmax, as at T = 0 (the same confidences and supervised slots), not on tokens
+    drawn at T."""
+    from dataclasses import replace
+
+    from draftsmith.drafters.objectives import dspark_calibration_data
+
+    model = _drafter(dtype=torch.float32, device=test_device)
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(1)).to(test_device)
+    base = DSparkObjectiveSettings(block_size=4, anchors_per_sequence=6, temperature=1.0, sample_markov_inputs=True)
+    with torch.no_grad():
+        conf_g, alpha_g, valid_g = dspark_calibration_data(model, _batch(), head, replace(base, greedy_drafts=True))
+        conf_0, _, valid_0 = dspark_calibration_data(model, _batch(), head, replace(base, temperature=0.0))
+        conf_s, _, valid_s = dspark_calibration_data(model, _batch(), head, base)
+    torch.testing.assert_close(conf_g, conf_0, rtol=0, atol=0)
+    assert torch.equal(valid_g, valid_0)
+    assert not (torch.equal(valid_s, valid_0) and torch.equal(conf_s, conf_0))  # drawn inputs condition otherwise
+    assert bool(((alpha_g >= 0) & (alpha_g <= 1)).all())
